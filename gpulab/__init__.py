@@ -1,0 +1,32 @@
+"""gpulab: the plumbing of the GPU-utilisation course (timing, device facts, results, plots, checks)."""
+
+import platform
+
+import torch
+
+from .device import device_info, get_device, sync
+from .mode import by_mode, quick_mode
+from .results import ResultLog, reference, reference_provenance
+from .timing import Measurement, bench
+
+__version__ = "0.1.0"
+__all__ = [
+    "Measurement", "ResultLog", "bench", "by_mode", "device_info", "get_device", "quick_mode",
+    "reference", "reference_provenance", "setup", "sync",
+]
+
+
+def setup(seed: int = 0) -> torch.device:
+    """Start a lesson: seed torch, print the device, the mode and the versions, return the device."""
+    torch.manual_seed(seed)
+    device = get_device()
+    info = device_info(device)
+    mode = "quick" if quick_mode() else "full"
+    print(f"gpulab {__version__} | device: {device} ({info.name}) | mode: {mode}")
+    print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | Python {platform.python_version()}")
+    if device.type == "cpu":
+        print("No GPU here: the lesson runs in quick mode on the CPU. Experiments that need a GPU say so, "
+              "and show reference results measured on real GPUs where the course has them.")
+    elif mode == "quick":
+        print("Quick mode (CI or GPULAB_QUICK is set): small sizes, few repetitions. Unset it for real numbers.")
+    return device

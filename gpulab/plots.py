@@ -1,0 +1,88 @@
+"""The few figure kinds the course uses, in one style."""
+
+from contextlib import contextmanager
+
+import matplotlib.pyplot as plt
+
+STYLE = {
+    "figure.figsize": (7, 4),
+    "figure.dpi": 100,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titleweight": "bold",
+    "legend.frameon": False,
+}
+
+
+@contextmanager
+def style():
+    """The course's matplotlib style, for a ``with`` block."""
+    with plt.rc_context(STYLE):
+        yield
+
+
+def _axes(ax):
+    if ax is not None:
+        return ax
+    with style():
+        return plt.figure().add_subplot()
+
+
+def bars(values: dict, *, baseline: str | None = None, unit: str = "", higher_is_better: bool = True,
+         title: str = "", ax=None):
+    """Horizontal bars, one per label, each annotated with its value and its speed-up over ``baseline``."""
+    ax = _axes(ax)
+    labels, heights = list(values), [float(v) for v in values.values()]
+    base = values[baseline] if baseline is not None else None
+    with style():
+        colors = ["tab:gray" if label == baseline else "tab:blue" for label in labels]
+        ax.barh(labels, heights, color=colors)
+        ax.invert_yaxis()
+        for i, value in enumerate(heights):
+            text = f" {value:.3g} {unit}"
+            if base:
+                speedup = value / base if higher_is_better else base / value
+                text += f"  ({speedup:.2f}×)"
+            ax.text(value, i, text, va="center")
+        ax.set_xlim(0, max(heights) * 1.35 if heights else 1)
+        ax.set_xlabel(unit)
+        ax.set_title(title)
+    return ax
+
+
+def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, logy: bool = True,
+           title: str = "", xlabel: str | None = None, ylabel: str | None = None, ax=None, **plot_kwargs):
+    """One line per value of column ``by`` (or a single line): ``y`` against ``x``."""
+    ax = _axes(ax)
+    groups = frame.groupby(by, sort=False) if by else [(y, frame)]
+    with style():
+        for name, group in groups:
+            group = group.sort_values(x)
+            ax.plot(group[x], group[y], marker="o", label=str(name), **plot_kwargs)
+        if logx:
+            ax.set_xscale("log")
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel or x)
+        ax.set_ylabel(ylabel or y)
+        ax.set_title(title)
+        if by:
+            ax.legend()
+    return ax
+
+
+def mark(ax, x: float, text: str, color: str = "tab:red"):
+    """A labelled vertical line (a crossover, a knee, a limit)."""
+    ax.axvline(x, color=color, linestyle="--", linewidth=1)
+    ax.annotate(text, (x, 0.95), xycoords=("data", "axes fraction"), ha="left", va="top", color=color,
+                xytext=(4, 0), textcoords="offset points")
+    return ax
+
+
+def hline(ax, y: float, text: str, color: str = "tab:red"):
+    """A labelled horizontal line (a theoretical peak, a link's bandwidth)."""
+    ax.axhline(y, color=color, linestyle="--", linewidth=1)
+    ax.annotate(text, (0.01, y), xycoords=("axes fraction", "data"), ha="left", va="bottom", color=color)
+    return ax

@@ -1,0 +1,186 @@
+"""Benchmark records, each with the environment it was measured in.
+
+Rows are appended to ``results/<name>.csv`` as soon as they are measured, so an interrupted
+sweep keeps every finished point. Reference results measured on real GPUs ship in
+``gpulab/reference/`` with their provenance.
+"""
+
+import csv
+import json
+import os
+import platform
+import socket
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+
+from .device import device_info
+from .mode import quick_mode
+
+SCHEMA = 1
+REFERENCE_DIR = Path(__file__).parent / "reference"
+ENV_COLUMNS = ("schema", "recorded_at", "host", "device", "device_name", "driver", "torch", "cuda", "quick")
+
+
+class ResultsFileError(RuntimeError):
+    """A results file cannot be read or extended; the message says what to do. The file is left as it was."""
+
+
+def results_dir() -> Path:
+    """Where results are written: ``$GPULAB_RESULTS`` or ``results/`` at the repository root (or here)."""
+    if os.environ.get("GPULAB_RESULTS"):
+        return Path(os.environ["GPULAB_RESULTS"])
+    here = Path.cwd()
+    root = next((p for p in (here, *here.parents) if (p / "pyproject.toml").exists() and (p / "gpulab").is_dir()), here)
+    return root / "results"
+
+
+@lru_cache(maxsize=None)
+def environment(device: str | None = None) -> dict:
+    """The columns that say where a result was measured."""
+    info = device_info(device)
+    return {
+        "schema": SCHEMA,
+        "host": socket.gethostname(),
+        "device": info.device,
+        "device_name": info.name,
+        "driver": info.driver_version or "",
+        "torch": info.torch_version,
+        "cuda": info.cuda_version or "",
+        "quick": quick_mode(),
+    }
+
+
+class ResultLog:
+    """An append-only CSV of one experiment's results: ``log.add(size=..., seconds=...)``."""
+
+    def __init__(self, name: str, directory: str | Path | None = None, device: str | None = None):
+        self.path = Path(directory or results_dir()) / f"{name}.csv"
+        self.device = device
+        if self.path.exists():
+            self._check_header(self._header())
+
+    def add(self, **fields) -> dict:
+        """Append one row (the fields plus the environment) to the file at once; returns the row."""
+        row = {**environment(self.device), "recorded_at": _now(), **fields}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        header = self._header() if self.path.exists() else None
+        if header is None:
+            _write(self.path, list(row), [row])
+        elif set(row) <= set(header):
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, header).writerow(row)
+        else:  # new columns: rewrite the file with the union of columns, atomically
+            columns = header + [c for c in row if c not in header]
+            _write(self.path, columns, [*_rows(self.path), row])
+        return row
+
+    def add_measurement(self, measurement, **params) -> dict:
+        """Append a timing.Measurement with the parameters it was measured at."""
+        return self.add(
+            **params,
+            label=measurement.label,
+            median_s=measurement.median,
+            iqr_s=measurement.iqr,
+            runs=measurement.runs,
+            threads=measurement.threads,
+        )
+
+    def frame(self) -> pd.DataFrame:
+        """All rows so far (an empty frame when nothing was recorded yet)."""
+        return load(self.path) if self.path.exists() else pd.DataFrame()
+
+    def _header(self) -> list[str]:
+        try:
+            with self.path.open(newline="") as f:
+                return next(csv.reader(f), [])
+        except (OSError, UnicodeDecodeError, csv.Error) as err:
+            raise _unreadable(self.path, err) from None
+
+    def _check_header(self, header: list[str]) -> None:
+        missing = [c for c in ENV_COLUMNS if c not in header]
+        if missing:
+            raise ResultsFileError(
+                f"{self.path} was not written by this version of gpulab (no {', '.join(missing)} column). "
+                f"Nothing was changed: move it aside (e.g. rename it to {self.path.name}.old) and run again."
+            )
+        schemas = set(load(self.path)["schema"].astype(str))
+        if schemas != {str(SCHEMA)}:
+            raise ResultsFileError(
+                f"{self.path} holds results of schema {', '.join(sorted(schemas))}; this gpulab writes schema "
+                f"{SCHEMA}. Nothing was changed: move it aside (rename it to {self.path.name}.old) and run again."
+            )
+
+
+def load(path: str | Path) -> pd.DataFrame:
+    """Read a results CSV; a corrupt file gives a ResultsFileError saying what to do."""
+    path = Path(path)
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as err:
+        raise _unreadable(path, err) from None
+
+
+def reference(name: str) -> pd.DataFrame:
+    """Reference results shipped with the course for experiment ``name`` (empty when none exist yet).
+
+    Each row carries the environment it was measured in; ``reference_provenance(name)`` says how.
+    """
+    path = REFERENCE_DIR / f"{name}.csv"
+    return load(path) if path.exists() else pd.DataFrame()
+
+
+def reference_provenance(name: str) -> dict:
+    """The machine, versions, date and command that produced reference ``name`` ({} if none)."""
+    path = REFERENCE_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def add_reference(csv_path: str | Path, command: str, name: str | None = None) -> Path:
+    """Ship a measured results CSV as reference results, with its provenance beside it."""
+    frame = load(csv_path)
+    if frame.empty or "device_name" not in frame:
+        raise ResultsFileError(f"{csv_path} has no measured rows to ship as a reference")
+    if frame["quick"].astype(str).str.lower().eq("true").any():
+        raise ResultsFileError(f"{csv_path} holds quick-mode rows; reference results come from full runs only")
+    name = name or Path(csv_path).stem
+    REFERENCE_DIR.mkdir(exist_ok=True)
+    target = REFERENCE_DIR / f"{name}.csv"
+    frame.to_csv(target, index=False)
+    provenance = {
+        "devices": sorted(frame["device_name"].astype(str).unique()),
+        "drivers": sorted(frame["driver"].astype(str).unique()),
+        "torch": sorted(frame["torch"].astype(str).unique()),
+        "measured": [str(frame["recorded_at"].min()), str(frame["recorded_at"].max())],
+        "command": command,
+        "python": platform.python_version(),
+    }
+    (REFERENCE_DIR / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    return target
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _write(path: Path, columns: list[str], rows: list[dict]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def _unreadable(path: Path, err: Exception) -> ResultsFileError:
+    return ResultsFileError(
+        f"cannot read {path} ({err}). It was left untouched: move it aside (rename it to "
+        f"{path.name}.broken) to start a new file, or repair it by hand."
+    )
