@@ -64,6 +64,7 @@ class Question:
     points: int = 1
 
     def __post_init__(self):
+        self.last: Result | None = None  # the latest check's result
         _registry.setdefault(self.lesson, [])
         _registry[self.lesson] = [q for q in _registry[self.lesson] if q.number != self.number] + [self]
 
@@ -96,7 +97,7 @@ class Question:
 
     def _record(self, status: str, message: str) -> None:
         result = Result(self.lesson, self.name, self.points, status, message)
-        _results[(self.lesson, self.name)] = result
+        _results[(self.lesson, self.name)] = self.last = result
         icon = {CORRECT: "✅ Correct", WRONG: "❌ Not yet", NOT_ATTEMPTED: "✏️ Not attempted yet"}[status]
         _show(f"**{icon} ({self.name}, {self.title}):** {message}")
         grade_file = os.environ.get("GPULAB_GRADE_FILE")
