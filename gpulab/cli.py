@@ -1,0 +1,148 @@
+"""The `gpulab` command: doctor, bench, course, grade, exercises, notebooks, reference."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+DOCTOR_HELP = """exit status: 0 all OK; 1 warnings (the GPU works, something costs speed);
+2 errors (no usable GPU: torch is CPU-only, no driver, driver too old, ...)"""
+GRADE_HELP = """exit status: 0 every notebook ran to its end (whatever its score); 1 at least one
+notebook could not be graded (raised, timed out, exited, not a notebook): it got zero points"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpulab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="diagnose why training is slow or not on the GPU", epilog=DOCTOR_HELP)
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(run=_doctor)
+
+    p = sub.add_parser("bench", help="measure matmul, memory and transfer speed of this machine")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
+    p.set_defaults(run=_bench)
+
+    p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
+    p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
+    p.add_argument("--out", type=Path, default=Path("build"))
+    p.add_argument("--cell-timeout", type=int, default=900, help="seconds one cell may run")
+    p.set_defaults(run=_course)
+
+    p = sub.add_parser("grade", help="grade exercise notebooks, write grades.csv and grades.json", epilog=GRADE_HELP)
+    p.add_argument("notebooks", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=Path("grades"))
+    p.add_argument("--time-limit", type=float, default=600, help="seconds one notebook may run")
+    p.set_defaults(run=_grade)
+
+    p = sub.add_parser("exercises", help="generate exercises/ from solutions/, or check they are in sync")
+    p.add_argument("action", choices=["build", "check"])
+    p.set_defaults(run=_exercises)
+
+    p = sub.add_parser("notebooks", help="strip outputs and rewrite the setup cell of every notebook")
+    p.set_defaults(run=_notebooks)
+
+    p = sub.add_parser("reference", help="ship a full-mode results CSV as reference results")
+    p.add_argument("csv", type=Path)
+    p.add_argument("--command", required=True, help="the command that produced it (kept as provenance)")
+    p.add_argument("--name", help="reference name (default: the file's stem)")
+    p.set_defaults(run=_reference)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _doctor(args) -> int:
+    from .doctor import diagnose, exit_status, render
+
+    findings = diagnose()
+    if args.json:
+        print(json.dumps({"status": exit_status(findings), "findings": [f.as_dict() for f in findings]}, indent=2))
+    else:
+        print(render(findings))
+    return exit_status(findings)
+
+
+def _bench(args) -> int:
+    from .benchmarks import run_benchmarks
+    from .device import device_info
+    from .results import ResultsFileError
+
+    print(device_info(args.device), end="\n\n")
+    try:
+        rows = run_benchmarks(args.device)
+    except ResultsFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    columns = ["test", "value", "unit", "runs"] + (["of_limit"] if any("of_limit" in r for r in rows) else [])
+    print(pd.DataFrame(rows)[columns].fillna("").to_string(index=False))
+    return 0
+
+
+def _course(args) -> int:
+    from .course import run_course
+
+    notebooks = args.notebooks or sorted(Path("notebooks").glob("*.ipynb"))
+    if not notebooks:
+        print("error: no notebooks found (run this from the repository's root)", file=sys.stderr)
+        return 2
+    table = run_course(notebooks, args.out, args.cell_timeout)
+    print("\n" + table.to_string(index=False))
+    failed = (table["status"] != "passed").sum()
+    print(f"\n{len(table) - failed} of {len(table)} lessons passed; executed notebooks and HTML in {args.out}/")
+    return 1 if failed else 0
+
+
+def _grade(args) -> int:
+    from tqdm.auto import tqdm
+
+    from .grading import grade, totals, write
+
+    grades = grade(args.notebooks, args.time_limit, progress=lambda xs: tqdm(xs, desc="grading", unit="notebook"))
+    with pd.option_context("display.max_colwidth", 90, "display.width", 200):
+        print(grades.drop(columns="max_points").to_string(index=False))
+        print("\n" + totals(grades).to_string())
+    for path in write(grades, args.out):
+        print(f"wrote {path}")
+    unrunnable = grades[(grades["points"] == 0) & ~grades["message"].str.match(r"(correct|wrong|not attempted|not checked)")]
+    return 1 if len(unrunnable) else 0
+
+
+def _exercises(args) -> int:
+    from .authoring import build_exercises, stale_exercises
+
+    if args.action == "build":
+        for path in build_exercises():
+            print(f"wrote {path}")
+        return 0
+    problems = stale_exercises()
+    for problem in problems:
+        print(problem)
+    if problems:
+        print("run `gpulab exercises build` (make exercises)")
+    return 1 if problems else 0
+
+
+def _notebooks(args) -> int:
+    from .authoring import tidy
+
+    for path in tidy():
+        print(f"tidied {path}")
+    return 0
+
+
+def _reference(args) -> int:
+    from .results import ResultsFileError, add_reference
+
+    try:
+        print(f"wrote {add_reference(args.csv, args.command, args.name)}")
+    except ResultsFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

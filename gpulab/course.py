@@ -1,0 +1,31 @@
+"""`gpulab course` (`make course`): run every lesson headless, keep the executed notebooks and HTML pages."""
+
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+from nbconvert import HTMLExporter
+from tqdm.auto import tqdm
+
+from .execute import run_notebook
+
+
+def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeout: int = 900) -> pd.DataFrame:
+    """Execute each notebook in a fresh kernel; write ``out_dir``/NAME.ipynb and NAME.html for each,
+    even a failed one (it shows where it stopped). Returns a table of lesson, status, seconds, error."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    progress = tqdm(notebooks, desc="lessons", unit="notebook")
+    for path in progress:
+        progress.set_postfix_str(path.name)
+        run = run_notebook(path, cell_timeout=cell_timeout)
+        (out_dir / path.name).write_text(nbformat.writes(run.notebook))
+        html, _ = HTMLExporter().from_notebook_node(run.notebook)
+        (out_dir / path.with_suffix(".html").name).write_text(html)
+        rows.append({"lesson": path.stem, "status": "passed" if run.ok else "FAILED",
+                     "seconds": round(run.seconds, 1), "error": run.error or ""})
+        progress.write(f"{path.stem}: {rows[-1]['status']} in {run.seconds:.1f} s {run.error or ''}")
+    table = pd.DataFrame(rows, columns=["lesson", "status", "seconds", "error"])
+    table.to_csv(out_dir / "summary.csv", index=False)
+    return table
+
