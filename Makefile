@@ -16,7 +16,7 @@ course: $(STAMP)  ## run every lesson headless into build/ (notebooks + HTML), w
 	$(BIN)/gpulab course
 
 test: $(STAMP)  ## everything CI runs: unit tests, notebooks (nbval, quick mode), exercises, grading
-	GPULAB_QUICK=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --nbval-lax -p no:cacheprovider tests notebooks solutions
+	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 $(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax -p no:cacheprovider tests notebooks solutions
 
 lab: $(STAMP)  ## open JupyterLab on the lessons
 	$(BIN)/jupyter lab notebooks/

@@ -1,6 +1,8 @@
 """gpulab: the plumbing of the GPU-utilisation course (timing, device facts, results, plots, checks)."""
 
+import os
 import platform
+import warnings
 
 import torch
 
@@ -18,6 +20,8 @@ __all__ = [
 
 def setup(seed: int = 0) -> torch.device:
     """Start a lesson: seed torch, print the device, the mode and the versions, return the device."""
+    if os.environ.get("GPULAB_STRICT_WARNINGS"):
+        strict_warnings()
     torch.manual_seed(seed)
     device = get_device()
     info = device_info(device)
@@ -30,3 +34,9 @@ def setup(seed: int = 0) -> torch.device:
     elif mode == "quick":
         print("Quick mode (CI or GPULAB_QUICK is set): small sizes, few repetitions. Unset it for real numbers.")
     return device
+
+
+def strict_warnings() -> None:
+    """Turn deprecation warnings into errors (tests set GPULAB_STRICT_WARNINGS so notebooks get it too)."""
+    warnings.filterwarnings("error", message=r".*(deprecated|will be removed)", category=FutureWarning)
+    warnings.filterwarnings("error", message=r".*deprecated", category=DeprecationWarning, module=r"torch(\.|$)")

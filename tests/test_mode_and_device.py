@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+import gpulab
+from gpulab.device import PcieLink, DeviceError, device_info, get_device
+
+
+@pytest.mark.parametrize("flag, expected", [("1", True), ("true", True), ("0", False), ("no", False)])
+def test_quick_flag_wins(monkeypatch, flag, expected):
+    monkeypatch.setenv("GPULAB_QUICK", flag)
+    assert gpulab.quick_mode() is expected
+    assert gpulab.by_mode(full="big", quick="small") == ("small" if expected else "big")
+
+
+def test_ci_means_quick(monkeypatch):
+    monkeypatch.delenv("GPULAB_QUICK", raising=False)
+    monkeypatch.setenv("CI", "true")
+    assert gpulab.quick_mode()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_no_gpu_means_quick_and_cpu(monkeypatch):
+    monkeypatch.delenv("GPULAB_QUICK", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    assert gpulab.quick_mode()
+    assert get_device() == torch.device("cpu")
+    with pytest.raises(DeviceError, match="gpulab doctor"):
+        get_device("cuda")
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "tpu", "mps:0"])
+def test_unknown_device_string_is_a_clear_error(spec):
+    with pytest.raises(DeviceError, match="cpu"):
+        get_device(spec)
+
+
+def test_cpu_facts():
+    info = device_info("cpu")
+    assert info.device == "cpu" and info.torch_version == torch.__version__
+    assert not info.bf16_native and info.cpu_threads >= 1
+    assert "torch / CUDA / cuDNN" in str(info)
+
+
+def test_pcie_bandwidth_from_generation_and_width():
+    link = PcieLink(generation=1, width=16, max_generation=4, max_width=16)
+    assert link.max_gbps == pytest.approx(31.5, rel=0.01)
+    assert "Gen4 x16" in str(link) and "now Gen1" in str(link)
+
+
+def test_setup_reports_device_and_mode(capsys, monkeypatch):
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    device = gpulab.setup()
+    out = capsys.readouterr().out
+    assert isinstance(device, torch.device) and "mode: quick" in out and torch.__version__ in out
+
+
+def test_deprecated_torch_amp_api_is_an_error_in_tests():
+    with pytest.raises(FutureWarning, match="deprecated"):
+        torch.cuda.amp.GradScaler()
+
+
+@pytest.mark.gpu
+def test_gpu_facts():
+    info = device_info("cuda")
+    assert info.sm_count > 0 and info.memory_gb > 1 and info.compute_capability >= (3, 0)
+    assert info.bf16_native == (info.compute_capability >= (8, 0))

@@ -1,0 +1,83 @@
+import pandas as pd
+import pytest
+
+from gpulab import ResultLog, bench, reference
+from gpulab.results import ResultsFileError, add_reference, reference_provenance
+
+
+def test_each_point_is_on_disk_at_once(results_dir):
+    log = ResultLog("sweep")
+    log.add(size=1, seconds=0.5)
+    assert len(pd.read_csv(results_dir / "sweep.csv")) == 1  # an interrupted sweep keeps it
+    log.add(size=2, seconds=0.7)
+    frame = ResultLog("sweep").frame()
+    assert list(frame["size"]) == [1, 2]
+    assert {"device", "torch", "recorded_at", "schema", "quick"} <= set(frame.columns)
+
+
+def test_new_columns_keep_old_rows(results_dir):
+    log = ResultLog("grow")
+    log.add(size=1)
+    log.add(size=2, extra="x")
+    frame = log.frame()
+    assert list(frame["size"]) == [1, 2] and frame["extra"].isna().tolist() == [True, False]
+
+
+def test_measurements_are_recorded_with_parameters(results_dir):
+    row = ResultLog("m").add_measurement(bench(lambda: None, repeats=3), n=7)
+    assert row["n"] == 7 and row["runs"] == 3 and row["median_s"] >= 0
+
+
+def test_corrupt_file_is_a_clear_error_and_left_untouched(results_dir):
+    results_dir.mkdir(parents=True)
+    bad = results_dir / "broken.csv"
+    bad.write_bytes(b"\xff\xfe\x00garbage\x00\n\x01")
+    with pytest.raises(ResultsFileError, match="move it aside"):
+        ResultLog("broken").add(size=1)
+    assert bad.read_bytes() == b"\xff\xfe\x00garbage\x00\n\x01"
+
+
+def test_older_schema_is_refused_and_kept(results_dir):
+    results_dir.mkdir(parents=True)
+    old = results_dir / "old.csv"
+    old.write_text("size,seconds\n1,0.5\n")
+    with pytest.raises(ResultsFileError, match="not written by this version"):
+        ResultLog("old")
+    assert old.read_text() == "size,seconds\n1,0.5\n"
+
+
+def test_future_schema_is_refused(results_dir):
+    log = ResultLog("future")
+    log.add(size=1)
+    text = log.path.read_text().replace("\n1,", "\n9,", 1)
+    log.path.write_text(text)
+    with pytest.raises(ResultsFileError, match="schema 9"):
+        ResultLog("future")
+
+
+def test_missing_reference_is_an_empty_frame():
+    assert reference("no_such_experiment").empty
+    assert reference_provenance("no_such_experiment") == {}
+
+
+def test_reference_refuses_quick_rows(results_dir, monkeypatch):
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    log = ResultLog("q")
+    log.add(size=1)
+    with pytest.raises(ResultsFileError, match="quick-mode"):
+        add_reference(log.path, command="make course")
+
+
+def test_reference_round_trip_with_provenance(results_dir, monkeypatch, tmp_path):
+    import gpulab.results as results
+
+    monkeypatch.setattr(results, "REFERENCE_DIR", tmp_path / "reference")
+    monkeypatch.setattr(results, "environment", lambda device=None: {
+        "schema": 1, "host": "h", "device": "cuda:0", "device_name": "Some GPU", "driver": "1.0",
+        "torch": "2.x", "cuda": "12", "quick": False})
+    log = ResultLog("full")
+    log.add(size=1, seconds=0.1)
+    add_reference(log.path, command="gpulab course notebooks/00.ipynb")
+    assert reference("full")["device_name"].tolist() == ["Some GPU"]
+    provenance = reference_provenance("full")
+    assert provenance["devices"] == ["Some GPU"] and provenance["command"].startswith("gpulab course")
