@@ -3,6 +3,7 @@
 from contextlib import contextmanager
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import ScalarFormatter
 
 STYLE = {
     "figure.figsize": (7, 4),
@@ -62,7 +63,8 @@ def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, l
             group = group.sort_values(x)
             ax.plot(group[x], group[y], marker="o", label=str(name), **plot_kwargs)
         if logx:
-            ax.set_xscale("log")
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel(xlabel or x)

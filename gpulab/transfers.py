@@ -1,0 +1,105 @@
+"""Measuring host↔device copies: a bandwidth sweep over sizes, and a timeline of CUDA streams.
+
+The copies themselves are written in the notebook: ``sweep`` receives, for each direction, a
+function ``make(nbytes, pinned)`` that allocates its buffers (outside the timed region) and returns
+the copy to time. ``sweep`` only warms up, times (``gpulab.bench``: synchronised, repeated),
+records and tabulates.
+"""
+
+import math
+from contextlib import contextmanager
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .timing import bench
+
+KB, MB, GB = 2**10, 2**20, 2**30
+MEMORIES = ("pageable", "pinned")
+
+
+def sizes(smallest: int = 4 * KB, largest: int = GB, factor: int = 4) -> list[int]:
+    """Transfer sizes in bytes from ``smallest`` to ``largest``, each ``factor`` times the previous."""
+    if not 0 < smallest <= largest or factor < 2:
+        raise ValueError(f"need 0 < smallest <= largest and factor >= 2, got {smallest}, {largest}, {factor}")
+    out = [smallest]
+    while out[-1] * factor <= largest:
+        out.append(out[-1] * factor)
+    return out
+
+
+def human_bytes(nbytes: float) -> str:
+    """4096 → '4 KB', 2**30 → '1 GB' (binary multiples, as transfer sizes usually are)."""
+    for unit, scale in (("GB", GB), ("MB", MB), ("KB", KB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def sweep(copies: dict, nbytes: list[int], *, memories=MEMORIES, device=None, log=None,
+          min_time: float = 0.2) -> pd.DataFrame:
+    """Bandwidth of every copy in ``copies`` ({direction: make}) at every size and kind of host memory.
+
+    ``make(nbytes, pinned)`` allocates (untimed) and returns the copy, a function of no arguments.
+    Each point is recorded in ``log`` (a ``gpulab.ResultLog``) as soon as it is measured.
+    Returns one row per point: direction, memory, nbytes, gbps (1 GB/s = 1e9 bytes/s), median_s, iqr_s.
+    """
+    points = [(d, m, n) for d in copies for m in memories for n in nbytes]
+    rows = []
+    for direction, memory, size in tqdm(points, desc="transfer sweep"):
+        copy = copies[direction](size, memory == "pinned")
+        measurement = bench(copy, label=f"{direction} {memory} {human_bytes(size)}", min_time=min_time,
+                            device=device)
+        del copy  # free the buffers before the next, possibly larger, point
+        row = {"direction": direction, "memory": memory, "nbytes": size, "gbps": measurement.rate(size) / 1e9}
+        if log is not None:
+            log.add_measurement(measurement, **row)
+        rows.append({**row, "median_s": measurement.median, "iqr_s": measurement.iqr})
+    return pd.DataFrame(rows)
+
+
+def summary(frame: pd.DataFrame, link_gbps: float | None = None) -> pd.DataFrame:
+    """Bandwidth at the largest size of each direction and memory, and its fraction of the link."""
+    largest = frame.loc[frame.groupby(["direction", "memory"], sort=False)["nbytes"].idxmax()]
+    table = largest[["direction", "memory", "nbytes", "gbps"]].reset_index(drop=True)
+    table["size"] = table["nbytes"].map(human_bytes)
+    table["of_link"] = table["gbps"] / link_gbps if link_gbps else math.nan
+    return table[["direction", "memory", "size", "gbps", "of_link"]]
+
+
+class Timeline:
+    """Spans of GPU work recorded with CUDA events, to draw which stream ran what, when.
+
+        tl = Timeline()
+        with torch.cuda.stream(copy_stream), tl.span("copy stream", "copy"):
+            x = batch.to(device, non_blocking=True)
+        tl.frame()   # lane, kind, start_ms, end_ms (after the GPU has finished)
+
+    A span's events are recorded on the stream that is current when it opens and closes; the
+    times are measured by the GPU, so they show what really ran concurrently.
+    """
+
+    def __init__(self):
+        self._spans: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def span(self, lane: str, kind: str):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._spans.append((lane, kind, start, end))
+
+    def frame(self) -> pd.DataFrame:
+        """One row per span, times in ms from the earliest start (waits for the GPU to finish)."""
+        columns = ["lane", "kind", "start_ms", "end_ms"]
+        if not self._spans:
+            return pd.DataFrame(columns=columns)
+        torch.cuda.synchronize()
+        origin = self._spans[0][2]
+        rows = [(lane, kind, origin.elapsed_time(s), origin.elapsed_time(e)) for lane, kind, s, e in self._spans]
+        frame = pd.DataFrame(rows, columns=columns)
+        first = frame["start_ms"].min()
+        frame[["start_ms", "end_ms"]] -= first
+        return frame
