@@ -1,0 +1,32 @@
+import nbformat
+
+from gpulab import cli
+from gpulab.course import run_course
+
+
+def _write(path, *sources):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_failing_lesson_is_reported_and_the_others_still_run(tmp_path):
+    plot = _write(tmp_path / "01_plot.ipynb", "%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])")
+    broken = _write(tmp_path / "02_broken.ipynb", "raise ValueError('nope')")
+    fine = _write(tmp_path / "03_fine.ipynb", "print('hello')")
+    table = run_course([plot, broken, fine], tmp_path / "build")
+    assert table["status"].tolist() == ["passed", "FAILED", "passed"]
+    assert "ValueError: nope" in table.loc[1, "error"]
+    assert (tmp_path / "build" / "summary.csv").exists()
+    for name in ("01_plot", "02_broken", "03_fine"):
+        assert (tmp_path / "build" / f"{name}.ipynb").exists() and (tmp_path / "build" / f"{name}.html").exists()
+    assert "data:image/png" in (tmp_path / "build" / "01_plot.html").read_text()
+
+
+def test_cli_exit_status_says_whether_all_passed(tmp_path, capsys):
+    fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
+    broken = _write(tmp_path / "02_broken.ipynb", "1 / 0")
+    assert cli.main(["course", str(fine), "--out", str(tmp_path / "a")]) == 0
+    assert cli.main(["course", str(fine), str(broken), "--out", str(tmp_path / "b")]) == 1
+    assert "1 of 2 lessons passed" in capsys.readouterr().out
