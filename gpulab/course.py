@@ -20,12 +20,21 @@ def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeou
         progress.set_postfix_str(path.name)
         run = run_notebook(path, cell_timeout=cell_timeout)
         (out_dir / path.name).write_text(nbformat.writes(run.notebook))
-        html, _ = HTMLExporter().from_notebook_node(run.notebook)
-        (out_dir / path.with_suffix(".html").name).write_text(html)
+        error = run.error or _write_html(run.notebook, out_dir / path.with_suffix(".html").name)
         rows.append({"lesson": path.stem, "status": "passed" if run.ok else "FAILED",
-                     "seconds": round(run.seconds, 1), "error": run.error or ""})
-        progress.write(f"{path.stem}: {rows[-1]['status']} in {run.seconds:.1f} s {run.error or ''}")
+                     "seconds": round(run.seconds, 1), "error": error or ""})
+        progress.write(f"{path.stem}: {rows[-1]['status']} in {run.seconds:.1f} s {error or ''}")
     table = pd.DataFrame(rows, columns=["lesson", "status", "seconds", "error"])
     table.to_csv(out_dir / "summary.csv", index=False)
     return table
 
+
+
+def _write_html(nb, target: Path) -> str | None:
+    """Write the HTML page; a failure here is reported, and the executed notebook is kept all the same."""
+    try:
+        html, _ = HTMLExporter().from_notebook_node(nb)
+    except Exception as err:  # nbconvert's template lookup can fail on odd installs
+        return f"HTML page not written: {err}"
+    target.write_text(html)
+    return None

@@ -88,3 +88,57 @@ def hline(ax, y: float, text: str, color: str = "tab:red"):
     ax.axhline(y, color=color, linestyle="--", linewidth=1)
     ax.annotate(text, (0.01, y), xycoords=("axes fraction", "data"), ha="left", va="bottom", color=color)
     return ax
+
+
+def timeline(spans, *, title: str = "", ax=None):
+    """GPU work over time, one row per lane (a stream), one colour per kind of work (copy, compute).
+
+    ``spans`` has columns lane, kind, start_ms, end_ms (``gpulab.transfers.Timeline.frame()``).
+    Bars that sit above each other ran at the same time.
+    """
+    from matplotlib.patches import Patch
+
+    ax = _axes(ax)
+    lanes, kinds = list(dict.fromkeys(spans["lane"])), list(dict.fromkeys(spans["kind"]))
+    colors = {kind: f"C{i}" for i, kind in enumerate(kinds)}
+    with style():
+        for row, lane in enumerate(lanes):
+            for kind, group in spans[spans["lane"] == lane].groupby("kind", sort=False):
+                bars = list(zip(group["start_ms"], group["end_ms"] - group["start_ms"], strict=True))
+                ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=colors[kind], edgecolor="white", linewidth=0.5)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_ylim(len(lanes) - 0.5, -0.5)
+        ax.grid(axis="y", visible=False)
+        ax.set_xlabel("time on the GPU (ms)")
+        ax.legend(handles=[Patch(color=colors[k], label=k) for k in kinds], loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title)
+    return ax
+
+
+def utilisation(samples, column: str = "gpu_util_pct", *, ylabel: str = "GPU utilisation (%)", title: str = "",
+                ax=None):
+    """A monitor's samples over time (``gpulab.monitor.Monitor.frame()``), each phase shaded and named."""
+    ax = _axes(ax)
+    with style():
+        if samples.empty:
+            ax.text(0.5, 0.5, "no samples (NVML is not available here)", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")
+        else:
+            ax.plot(samples["time_s"], samples[column], color="tab:blue", linewidth=1.2)
+            phase = samples["phase"].fillna("").astype(str)
+            runs = (phase != phase.shift()).cumsum()
+            starts = samples["time_s"].groupby(runs).first()
+            ends = list(starts.iloc[1:]) + [samples["time_s"].iloc[-1]]
+            names = phase.groupby(runs).first()
+            named = [(start, end, name) for start, end, name in zip(starts, ends, names, strict=True) if name]
+            for i, (start, end, name) in enumerate(named):
+                ax.axvspan(start, end, color="0.85" if i % 2 == 0 else "0.93", linewidth=0, zorder=0)
+                ax.annotate(name, ((start + end) / 2, 1.01), xycoords=("data", "axes fraction"), ha="left",
+                            va="bottom", rotation=30, fontsize=8)
+        if column.endswith("_pct"):
+            ax.set_ylim(0, 105)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, pad=40 if not samples.empty else None)
+    return ax

@@ -38,11 +38,12 @@ def human_bytes(nbytes: float) -> str:
 
 
 def sweep(copies: dict, nbytes: list[int], *, memories=MEMORIES, device=None, log=None,
-          min_time: float = 0.2) -> pd.DataFrame:
+          min_time: float = 0.2, **fields) -> pd.DataFrame:
     """Bandwidth of every copy in ``copies`` ({direction: make}) at every size and kind of host memory.
 
     ``make(nbytes, pinned)`` allocates (untimed) and returns the copy, a function of no arguments.
-    Each point is recorded in ``log`` (a ``gpulab.ResultLog``) as soon as it is measured.
+    Each point is recorded in ``log`` (a ``gpulab.ResultLog``) as soon as it is measured, with ``fields``
+    (extra columns, e.g. ``link_gbps=...``).
     Returns one row per point: direction, memory, nbytes, gbps (1 GB/s = 1e9 bytes/s), median_s, iqr_s.
     """
     points = [(d, m, n) for d in copies for m in memories for n in nbytes]
@@ -52,7 +53,8 @@ def sweep(copies: dict, nbytes: list[int], *, memories=MEMORIES, device=None, lo
         measurement = bench(copy, label=f"{direction} {memory} {human_bytes(size)}", min_time=min_time,
                             device=device)
         del copy  # free the buffers before the next, possibly larger, point
-        row = {"direction": direction, "memory": memory, "nbytes": size, "gbps": measurement.rate(size) / 1e9}
+        row = {"direction": direction, "memory": memory, "nbytes": size, "gbps": measurement.rate(size) / 1e9,
+               **fields}
         if log is not None:
             log.add_measurement(measurement, **row)
         rows.append({**row, "median_s": measurement.median, "iqr_s": measurement.iqr})

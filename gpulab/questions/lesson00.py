@@ -65,7 +65,7 @@ def _check_tflops(n, seconds, tflops) -> str:
 def _reference_crossover(sizes, baseline, candidate):
     """The smallest size from which candidate < baseline at that size and every larger one (or None)."""
     answer = None
-    for size, b, c in reversed(list(zip(sizes, baseline, candidate))):
+    for size, b, c in reversed(list(zip(sizes, baseline, candidate, strict=True))):
         if not c < b:
             break
         answer = size
@@ -95,6 +95,8 @@ def _check_crossover(crossover, sizes=None, baseline=None, candidate=None) -> st
     if sizes is None:
         return "your function finds the crossover."
     measured = [np.asarray(v).tolist() for v in (sizes, baseline, candidate)]
+    if len({len(v) for v in measured}) != 1:
+        raise Wrong("sizes, baseline and candidate times must have one entry per size")
     expected, got = _reference_crossover(*measured), crossover(*measured)
     if got != expected:
         raise Wrong(f"on your measurements the answer is {expected}, your function returned {got!r}")

@@ -31,12 +31,14 @@ def _check_timer(time_ms) -> str:
     got = _number(got)
     if got is None:
         raise Wrong("return a number of milliseconds")
-    if abs(got * 1e3 - truth_ms) <= 0.5 * truth_ms:
-        raise Wrong(f"you returned {got:.4g}: that looks like seconds. Return milliseconds")
     if got < 0.5 * truth_ms:
+        looks_like_seconds = abs(got * 1e3 - truth_ms) <= 0.5 * truth_ms
+        if here.type != "cuda" and looks_like_seconds:
+            raise Wrong(f"you returned {got:.4g}: that looks like seconds. Return milliseconds")
+        units = " (and return milliseconds, not seconds)" if looks_like_seconds else ""
         raise Wrong(f"your timer says {got:.3g} ms, but the work takes about {truth_ms:.3g} ms: the clock stopped "
                     "before the GPU had finished. Synchronise (`torch.cuda.synchronize()`, `end.synchronize()`) "
-                    "before reading the time")
+                    f"before reading the time{units}")
     if got > 2 * truth_ms + 5:
         raise Wrong(f"your timer says {got:.3g} ms, but one call takes about {truth_ms:.3g} ms: time one call only")
     return f"your timer measured {got:.3g} ms for work that takes about {truth_ms:.3g} ms on {here}."
@@ -126,7 +128,7 @@ def _check_collect(collect_losses) -> str:
 
 def _number(value) -> float | None:
     """``value`` as a float, or None when it is not a number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real | torch.Tensor | np.generic):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor, np.generic)):
         return None
     try:
         return float(value)
@@ -140,15 +142,17 @@ def _check_bandwidth(x, copy_seconds, add_seconds, copy_gbs, fraction) -> str:
     nbytes = x.numel() * x.element_size()
     copy_s, add_s = _positive(copy_seconds, "copy_seconds"), _positive(add_seconds, "add_seconds")
     expected_copy = 2 * nbytes / copy_s / 1e9
-    if _number(copy_gbs) is not None and abs(copy_gbs / expected_copy - 0.5) < 0.01:
-        raise Wrong(f"expected {expected_copy:.4g} GB/s, got {copy_gbs:.4g}: a copy reads every byte *and* writes it")
+    if _number(copy_gbs) is not None and abs(_number(copy_gbs) / expected_copy - 0.5) < 0.01:
+        raise Wrong(f"expected {expected_copy:.4g} GB/s, got {_number(copy_gbs):.4g}: a copy reads every byte "
+                    "*and* writes it")
     expect_close(copy_gbs, expected_copy, rel=0.02, what="the copy bandwidth", unit="GB/s")
-    expected = 3 * nbytes / add_s / 1e9 / float(copy_gbs)
+    expected = 3 * nbytes / add_s / 1e9 / _number(copy_gbs)
     for ratio, why in ((2 / 3, "x + y reads two arrays and writes one"), (100, "a fraction, not a percentage")):
-        if _number(fraction) is not None and abs(fraction / expected / ratio - 1) < 0.01:
-            raise Wrong(f"expected a fraction of {expected:.3g}, got {float(fraction):.3g}: {why}")
+        if _number(fraction) is not None and abs(_number(fraction) / expected / ratio - 1) < 0.01:
+            raise Wrong(f"expected a fraction of {expected:.3g}, got {_number(fraction):.3g}: {why}")
     expect_close(fraction, expected, rel=0.02, what="the fraction of copy bandwidth")
-    return f"the vector add moved data at {fraction:.0%} of this device's measured copy bandwidth ({copy_gbs:.3g} GB/s)."
+    return (f"the vector add moved data at {_number(fraction):.0%} of this device's measured copy bandwidth "
+            f"({_number(copy_gbs):.4g} GB/s).")
 
 
 q1 = Question(

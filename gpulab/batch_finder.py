@@ -1,0 +1,279 @@
+"""The largest batch that fits: an out-of-memory-safe search that cleans up after every failure.
+
+``find_max_batch(step)`` calls ``step(batch_size)`` (one full training step that builds what it needs)
+with growing batch sizes until one runs out of memory, then bisects between the last batch that fit
+and the first that failed. After a failure it drops the error (whose traceback holds the failed step's
+tensors), collects garbage and empties the CUDA cache, so allocated memory returns to where it started.
+
+A memory budget stops the search below the card's size, for shared GPUs, and makes the search work on
+the CPU: there is no allocator to run out of there, so a ``MemoryTracker`` counts the bytes of the
+tensors a step creates and raises ``BudgetExceeded`` (an out-of-memory error) when they pass the budget.
+"""
+
+import gc
+import math
+import time
+import weakref
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .device import get_device
+
+FITS, OUT_OF_MEMORY, OVER_BUDGET = "fits", "out of memory", "over budget"
+
+# Memory failures that surface as a plain RuntimeError rather than torch.OutOfMemoryError.
+OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDNN_STATUS_NOT_ENOUGH_MEMORY",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+class BudgetExceeded(torch.OutOfMemoryError):
+    """A step needed more memory than the budget allows: out of memory on an emulated, smaller card."""
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True when ``err`` means "not enough memory" (as opposed to a bug in the step)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts the bytes of tensors created inside ``with tracker:`` that are still alive.
+
+    ``current`` is what is alive now, ``peak`` the most that was alive at once. Every operator that
+    returns new memory (not a view, not an in-place result) is counted, on any device; a weak
+    reference to its storage subtracts the bytes when the tensor is freed, even after the block.
+    With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
+    """
+
+    def __init__(self, budget: float | None = None):
+        super().__init__()
+        self.budget = budget
+        self.current = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for schema, result in zip(func._schema.returns, results):
+            if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
+                for tensor in tree_leaves(result):
+                    if isinstance(tensor, torch.Tensor):
+                        self._count(tensor.untyped_storage())
+        if self.budget is not None and self.current > self.budget:
+            raise BudgetExceeded(
+                f"a step needed {_mib(self.current)} of tensors, more than the budget of {_mib(self.budget)}"
+            )
+        return out
+
+    def _count(self, storage) -> None:
+        nbytes = storage.nbytes()
+        if nbytes:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One call of the step: its batch size, what happened, its peak memory and how long it took."""
+
+    batch_size: int
+    outcome: str  # FITS, OUT_OF_MEMORY or OVER_BUDGET
+    peak_bytes: int  # the most memory allocated above the search's start, up to the end or the failure
+    seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome == FITS
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """What ``find_max_batch`` found, how, and whether memory returned to where it started."""
+
+    batch_size: int | None  # the largest batch that fitted (None: not even the smallest tried)
+    trials: tuple[Trial, ...]
+    stopped: str  # why the search ended
+    device: str
+    budget_bytes: float | None
+    allocated_before: int  # bytes allocated when the search started (CPU: tracked tensors, so 0)
+    allocated_after: int  # ... and after it finished; equal unless the step keeps tensors alive
+
+    def table(self) -> pd.DataFrame:
+        """One row per trial, in the order they ran."""
+        return pd.DataFrame(
+            {
+                "batch_size": t.batch_size,
+                "outcome": t.outcome,
+                "peak_MiB": round(t.peak_bytes / 2**20, 1),
+                "seconds": round(t.seconds, 3),
+            }
+            for t in self.trials
+        ).rename_axis("trial")
+
+    def __str__(self) -> str:
+        budget = f", budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""
+        leaked = self.allocated_after - self.allocated_before
+        return (
+            f"largest batch that fits on {self.device}{budget}: {self.batch_size} ({self.stopped}; "
+            f"{len(self.trials)} trials, {sum(t.seconds for t in self.trials):.2f} s)\n"
+            f"allocated before the search {_mib(self.allocated_before)}, after {_mib(self.allocated_after)}"
+            f" ({'nothing left behind' if leaked == 0 else f'{_mib(leaked)} left behind'})\n"
+            f"{self.table().to_string()}"
+        )
+
+
+def find_max_batch(
+    step,
+    *,
+    start: int = 1,
+    max_batch: int = 2**16,
+    budget_bytes: float | None = None,
+    granularity: int = 1,
+    max_trials: int = 40,
+    device: str | torch.device | None = None,
+) -> BatchSearch:
+    """The largest batch size in ``[start, max_batch]`` for which ``step(batch_size)`` fits in memory.
+
+    Doubles from ``start`` until a step runs out of memory (or past ``budget_bytes`` above what was
+    allocated when the search began), then bisects down to ``granularity``. At most ``max_trials``
+    calls. ``step`` should build everything it needs (model, optimizer, batch) and keep nothing, so
+    that every byte is counted and freed again. Errors other than running out of memory propagate
+    unchanged.
+    """
+    if not callable(step):
+        raise TypeError(f"step must be a function of the batch size, got {type(step).__name__}")
+    device = get_device(device)
+    _check_bounds(start, max_batch, granularity, max_trials)
+    _check_budget(budget_bytes, device)
+    meter = _Meter(device, budget_bytes)
+    before = meter.allocated()
+    trials: list[Trial] = []
+
+    def fits(batch_size: int) -> bool:
+        trials.append(meter.trial(step, batch_size))
+        return trials[-1].fits
+
+    fit, fail = 0, None  # the largest batch that fitted and the smallest that failed, so far
+    batch = start
+    while fail is None and len(trials) < max_trials:  # grow: double until a failure or max_batch
+        if fits(batch):
+            fit = batch
+            if batch == max_batch:
+                break
+            batch = min(2 * batch, max_batch)
+        else:
+            fail = batch
+    while fail is not None and fail - fit > granularity and len(trials) < max_trials:  # bisect
+        middle = fit + max(granularity, (fail - fit) // 2 // granularity * granularity)
+        if fits(middle):
+            fit = middle
+        else:
+            fail = middle
+
+    if fail is None and fit == max_batch:
+        stopped = f"every batch up to max_batch={max_batch} fits"
+    elif fail is not None and fail - fit <= granularity:
+        stopped = f"not even batch {fail} fits" if fit == 0 else f"found to within {granularity}"
+    else:
+        stopped = f"stopped after max_trials={max_trials}"
+    meter.clean_up()
+    return BatchSearch(
+        batch_size=fit or None,
+        trials=tuple(trials),
+        stopped=stopped,
+        device=str(device),
+        budget_bytes=budget_bytes,
+        allocated_before=before,
+        allocated_after=meter.allocated(),
+    )
+
+
+class _Meter:
+    """Runs trials and measures their memory: allocator statistics on CUDA, a MemoryTracker elsewhere."""
+
+    def __init__(self, device: torch.device, budget: float | None):
+        self.device, self.budget = device, budget
+        self.cuda = device.type == "cuda"
+        self.tracker = None if self.cuda else MemoryTracker(budget)
+        self.start = self.allocated()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self.tracker.current
+
+    def trial(self, step, batch_size: int) -> Trial:
+        began = time.perf_counter()
+        try:
+            self._run(step, batch_size)
+            outcome = OVER_BUDGET if self.budget is not None and self._peak() > self.budget else FITS
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            outcome = OVER_BUDGET if isinstance(err, BudgetExceeded) else OUT_OF_MEMORY
+        # Here the error is gone, and with it the traceback that kept the failed step's tensors alive.
+        peak = self._peak()
+        if outcome != FITS:
+            self.clean_up()
+        return Trial(batch_size, outcome, peak, time.perf_counter() - began)
+
+    def _run(self, step, batch_size: int) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            step(batch_size)
+            torch.cuda.synchronize(self.device)
+        else:
+            self.tracker.reset_peak()
+            with self.tracker:
+                step(batch_size)
+
+    def _peak(self) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else self.tracker.peak
+        return peak - self.start
+
+    def clean_up(self) -> None:
+        gc.collect()  # tensors held in reference cycles (a traceback's frames) are freed here
+        if self.cuda:
+            torch.cuda.empty_cache()  # give cached blocks back, so the next trial starts unfragmented
+
+
+def _check_bounds(start, max_batch, granularity, max_trials) -> None:
+    for name, value in (("start", start), ("max_batch", max_batch), ("granularity", granularity),
+                        ("max_trials", max_trials)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if max_batch < start:
+        raise ValueError(f"max_batch ({max_batch}) is below start ({start}): there is nothing to search")
+
+
+def _check_budget(budget, device: torch.device) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"budget_bytes must be a positive number of bytes (or None for the whole card), got {budget!r}")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget > total:
+            raise ValueError(
+                f"budget_bytes ({_mib(budget)}) is more than this GPU has ({_mib(total)}); "
+                "leave it out (None) to search up to the whole card"
+            )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"

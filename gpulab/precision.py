@@ -1,0 +1,134 @@
+"""Plumbing for the mixed-precision lesson: matmul FLOPs and TFLOP/s, the device's peak (measured, and
+the vendor's datasheet figure where known), which precisions a device runs natively, and checkpoints
+that keep the GradScaler's state with the model and the optimizer.
+
+The lesson itself writes ``torch.autocast``, ``torch.amp.GradScaler`` and the TF32 switch in its cells.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .device import device_info, get_device
+from .mode import by_mode
+from .timing import bench
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# The dtype of the tensors for each precision: TF32 is a mode of fp32 matmuls, not a dtype.
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Vendor datasheet figures, NOT measurements: dense peaks in TFLOP/s at boost clock, without the
+# "with sparsity" doubling. fp32 is the CUDA-core rate; tf32/fp16/bf16 are tensor-core rates.
+DATASHEET_SOURCE = "NVIDIA datasheet (vendor figure, dense, no sparsity; not measured here)"
+DATASHEET_TFLOPS = {
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.5, "fp16": 989.5, "bf16": 989.5},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
+}
+# Datasheet entry for a device name: every listed word must be a word of torch's name. Most specific first.
+_DATASHEET_NAMES = (
+    ("H100 PCIe", ("H100", "PCIE")), ("H100 NVL", ("H100", "NVL")), ("H100 SXM", ("H100",)),
+    ("A100", ("A100",)), ("L4", ("L4",)), ("T4", ("T4",)),
+)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """Floating-point operations of an (m×k) @ (k×n) matmul: one multiply and one add per term."""
+    return 2 * m * n * k
+
+
+def tflops(flops: float, seconds: float) -> float:
+    """Throughput in TFLOP/s (10^12 floating-point operations per second)."""
+    return flops / seconds / 1e12
+
+
+def matmul_intensity(m: int, n: int, k: int, itemsize: int) -> float:
+    """Arithmetic intensity of a matmul, FLOP per byte, if A and B are read and C written once."""
+    return matmul_flops(m, n, k) / ((m * k + k * n + m * n) * itemsize)
+
+
+def datasheet_gpu(name: str) -> str | None:
+    """The DATASHEET_TFLOPS entry for a device name such as 'NVIDIA H100 80GB HBM3' (None if unknown)."""
+    words = set(re.split(r"[^A-Z0-9]+", name.upper()))
+    return next((entry for entry, needed in _DATASHEET_NAMES if words.issuperset(needed)), None)
+
+
+def datasheet_peak(name: str, precision: str) -> float | None:
+    """The vendor's datasheet peak in TFLOP/s for a device name and precision (None where not listed)."""
+    entry = datasheet_gpu(name)
+    return DATASHEET_TFLOPS[entry].get(precision) if entry else None
+
+
+def measured_peak(dtype: torch.dtype, device=None, n: int | None = None) -> tuple[float, int]:
+    """(TFLOP/s, n) of one large n×n matmul in ``dtype`` under the current TF32 setting: the practical peak."""
+    device = get_device(device)
+    n = n or by_mode(full=16384 if device.type == "cuda" else 2048, quick=256)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    m = bench(torch.mm, a, b, label=f"peak matmul {n} {dtype}", device=device, min_time=by_mode(0.5, 0.05))
+    return tflops(matmul_flops(n, n, n), m.median), n
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether the lesson runs a precision on a device, and why (or why not)."""
+
+    precision: str
+    available: bool
+    note: str
+
+
+def precision_support(compute_capability: tuple[int, int] | None) -> dict[str, Support]:
+    """Support of each precision for a CUDA compute capability, or for the CPU (``None``)."""
+    if compute_capability is None:
+        notes = {
+            "fp32": (True, "the CPU's native format"),
+            "tf32": (False, "TF32 is a mode of NVIDIA tensor cores (compute capability 8.0+): CUDA only"),
+            "fp16": (False, "fp16 with a GradScaler is the recipe for CUDA GPUs: skipped on the CPU"),
+            "bf16": (True, "autocast's CPU dtype; fast only on CPUs with bf16 instructions (AVX512-BF16, AMX)"),
+        }
+    else:
+        cc = tuple(compute_capability)
+        here = f"this GPU is {cc[0]}.{cc[1]}"
+        ampere = cc >= (8, 0)
+        notes = {
+            "fp32": (True, "CUDA cores (not tensor cores)"),
+            "tf32": (ampere, "fp32 matmuls on tensor cores, 10-bit mantissa" if ampere
+                     else f"needs compute capability 8.0+ (Ampere); {here}"),
+            "fp16": (True, "tensor cores; needs a GradScaler" if cc >= (7, 0)
+                     else f"runs, but without tensor cores (they need 7.0+; {here}): little speed-up"),
+            "bf16": (ampere, "tensor cores; fp32's range, no GradScaler needed" if ampere
+                     else f"not native before compute capability 8.0 ({here}): it would be emulated, slowly"),
+        }
+    return {p: Support(p, *notes[p]) for p in PRECISIONS}
+
+
+def device_support(device=None) -> dict[str, Support]:
+    """precision_support for a device (default: the course's device)."""
+    return precision_support(device_info(device).compute_capability)
+
+
+def save_checkpoint(path, model, optimizer, scaler=None, **extra) -> Path:
+    """Save model, optimizer and GradScaler state (and ``extra`` values such as the step) in one file."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    torch.save(state, path)
+    return Path(path)
+
+
+def load_checkpoint(path, model, optimizer, scaler=None, map_location=None) -> dict:
+    """Restore what save_checkpoint saved into ``model``, ``optimizer`` and ``scaler``; returns the extras."""
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    model.load_state_dict(state.pop("model"))
+    optimizer.load_state_dict(state.pop("optimizer"))
+    scaler_state = state.pop("scaler", None)
+    if scaler is not None:
+        if not scaler_state and scaler.is_enabled():
+            raise ValueError(f"{path} holds no GradScaler state (saved without a scaler, or with a disabled one)")
+        scaler.load_state_dict(scaler_state or {})
+    return state

@@ -1,0 +1,98 @@
+"""Lesson 00's exercise checks: right answers pass, plausible wrong ones are rejected, blanks are not attempted."""
+
+import pytest
+import torch
+
+import gpulab
+from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____
+from gpulab.questions.lesson00 import q1, q2, q3, q4
+
+
+def status(question, *answers) -> str:
+    question.check(*answers)
+    return question.last.status
+
+
+def predict(model, batch, device):
+    model = model.to(device)
+    batch = batch.to(device)
+    return model(batch)
+
+
+def predict_forgets_batch(model, batch, device):
+    model = model.to(device)
+    return model(batch)
+
+
+def predict_drops_moved_batch(model, batch, device):
+    model.to(device)
+    batch.to(device)  # the moved tensor is thrown away
+    return model(batch)
+
+
+def predict_unfinished(model, batch, device):
+    raise NotImplementedError
+
+
+def test_q1_same_device():
+    assert status(q1, predict) == CORRECT
+    assert status(q1, predict_forgets_batch) == WRONG
+    assert "batch" in q1.last.message
+    assert status(q1, predict_drops_moved_batch) == WRONG
+    assert status(q1, predict_unfinished) == NOT_ATTEMPTED
+    assert status(q1, ____) == NOT_ATTEMPTED
+
+
+def test_q2_tflops_recomputed_from_the_inputs():
+    n, seconds = 1024, 0.0125
+    assert status(q2, n, seconds, 2 * n**3 / seconds / 1e12) == CORRECT
+    assert status(q2, n, seconds, n**3 / seconds / 1e12) == WRONG
+    assert "2 FLOPs" in q2.last.message
+    assert status(q2, n, seconds, 2 * n**3 / seconds / 1e9) == WRONG
+    assert status(q2, n, seconds, ____) == NOT_ATTEMPTED
+
+
+def test_q2_accepts_a_measurement():
+    m = gpulab.bench(torch.mm, torch.randn(32, 32), torch.randn(32, 32), repeats=3)
+    assert status(q2, 32, m, 2 * 32**3 / m.median / 1e12) == CORRECT
+
+
+def crossover(sizes, baseline_s, candidate_s):
+    answer = None
+    for size, base, cand in reversed(list(zip(sizes, baseline_s, candidate_s, strict=True))):
+        if not cand < base:
+            break
+        answer = size
+    return answer
+
+
+def first_faster(sizes, baseline_s, candidate_s):
+    """Plausible but wrong: one lucky point at a small size is taken for the crossover."""
+    return next((s for s, b, c in zip(sizes, baseline_s, candidate_s, strict=True) if c < b), None)
+
+
+def crossover_unfinished(sizes, baseline_s, candidate_s):
+    raise NotImplementedError
+
+
+def test_q3_crossover():
+    assert status(q3, crossover) == CORRECT
+    measured = ([16, 32, 64], [1e-5, 4e-5, 3e-4], [2e-5, 3e-5, 1e-4])
+    assert status(q3, crossover, *measured) == CORRECT
+    assert "from size 32" in q3.last.message
+    assert status(q3, first_faster) == WRONG
+    assert status(q3, crossover_unfinished, *measured) == NOT_ATTEMPTED
+
+
+def test_q4_bf16_follows_the_device():
+    native = gpulab.device_info().bf16_native
+    assert status(q4, native) == CORRECT
+    assert status(q4, not native) == WRONG
+    assert status(q4, "yes") == WRONG
+    assert status(q4, ____) == NOT_ATTEMPTED
+
+
+@pytest.mark.gpu
+def test_q1_on_the_gpu_catches_a_batch_left_on_the_cpu():
+    assert status(q1, predict_forgets_batch) == WRONG
+    assert "cuda" in q1.last.message
