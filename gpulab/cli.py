@@ -15,7 +15,7 @@ notebook could not be graded (raised, timed out, exited, not a notebook): it got
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpulab", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="subcommand", required=True)
 
     p = sub.add_parser("doctor", help="diagnose why training is slow or not on the GPU", epilog=DOCTOR_HELP)
     p.add_argument("--json", action="store_true", help="print the findings as JSON")

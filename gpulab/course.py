@@ -20,7 +20,8 @@ def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeou
         progress.set_postfix_str(path.name)
         run = run_notebook(path, cell_timeout=cell_timeout)
         (out_dir / path.name).write_text(nbformat.writes(run.notebook))
-        error = run.error or _write_html(run.notebook, out_dir / path.with_suffix(".html").name)
+        html_error = _write_html(run.notebook, out_dir / path.with_suffix(".html").name)
+        error = run.error or html_error
         rows.append({"lesson": path.stem, "status": "passed" if run.ok else "FAILED",
                      "seconds": round(run.seconds, 1), "error": error or ""})
         progress.write(f"{path.stem}: {rows[-1]['status']} in {run.seconds:.1f} s {error or ''}")

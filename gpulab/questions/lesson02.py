@@ -9,10 +9,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..check import Question, Wrong
+from ..device import PCIE_LANE_GBPS
 
 # ---------------------------------------------------------------- q1: bandwidth, and the PCIe link's share
 
-PER_LANE_GBS = {3: 0.985, 4: 1.969, 5: 3.938}  # usable GB/s per lane and direction (as gpulab.device uses)
+PER_LANE_GBS = {g: PCIE_LANE_GBPS[g] for g in (3, 4, 5)}  # usable GB/s per lane and direction
 _BANDWIDTH_CASES = ((2**28, 0.0107), (4096, 9.5e-6), (10**9, 0.04), (64 * 2**20, 0.0031))
 _LINK_CASES = ((3, 16), (4, 16), (5, 16), (4, 8))
 
