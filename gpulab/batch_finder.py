@@ -227,7 +227,7 @@ class _Meter:
             outcome = OVER_BUDGET if isinstance(err, BudgetExceeded) else OUT_OF_MEMORY
         # Here the error is gone, and with it the traceback that kept the failed step's tensors alive.
         peak = self._peak()
-        if outcome != FITS:
+        if outcome != FITS or self.allocated() > self.start:
             self.clean_up()
         return Trial(batch_size, outcome, peak, time.perf_counter() - began)
 
@@ -247,7 +247,7 @@ class _Meter:
         return peak - self.start
 
     def clean_up(self) -> None:
-        gc.collect()  # tensors held in reference cycles (a traceback's frames) are freed here
+        gc.collect()  # frees what sits in reference cycles (a model and its optimizer often do)
         if self.cuda:
             torch.cuda.empty_cache()  # give cached blocks back, so the next trial starts unfragmented
 
