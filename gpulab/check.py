@@ -10,8 +10,8 @@ message, and records the result for ``progress()`` and for ``gpulab grade`` (thr
 import json
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 CORRECT, WRONG, NOT_ATTEMPTED = "correct", "wrong", "not attempted"
 

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("notebooks", help="strip outputs and rewrite the setup cell of every notebook")
     p.set_defaults(run=_notebooks)
 
-    p = sub.add_parser("reference", help="ship a full-mode results CSV as reference results")
+    p = sub.add_parser("reference", help="reference add CSV: ship a full-mode results CSV as reference results")
+    p.add_argument("action", choices=["add"])
     p.add_argument("csv", type=Path)
     p.add_argument("--command", required=True, help="the command that produced it (kept as provenance)")
     p.add_argument("--name", help="reference name (default: the file's stem)")

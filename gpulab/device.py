@@ -3,7 +3,7 @@
 import os
 import platform
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -113,7 +113,7 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-@lru_cache(maxsize=None)
+@cache
 def device_info(device: str | torch.device | None = None) -> DeviceInfo:
     """Facts about ``device`` (default: the course's device)."""
     device = get_device(device)

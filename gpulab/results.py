@@ -8,10 +8,9 @@ sweep keeps every finished point. Reference results measured on real GPUs ship i
 import csv
 import json
 import os
-import platform
 import socket
 from datetime import datetime, timezone
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -37,7 +36,7 @@ def results_dir() -> Path:
     return root / "results"
 
 
-@lru_cache(maxsize=None)
+@cache
 def environment(device: str | None = None) -> dict:
     """The columns that say where a result was measured."""
     info = device_info(device)
@@ -155,7 +154,6 @@ def add_reference(csv_path: str | Path, command: str, name: str | None = None) -
         "torch": sorted(frame["torch"].astype(str).unique()),
         "measured": [str(frame["recorded_at"].min()), str(frame["recorded_at"].max())],
         "command": command,
-        "python": platform.python_version(),
     }
     (REFERENCE_DIR / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return target

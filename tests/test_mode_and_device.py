@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import gpulab
-from gpulab.device import PcieLink, DeviceError, device_info, get_device
+from gpulab.device import DeviceError, PcieLink, device_info, get_device
 
 
 @pytest.mark.parametrize("flag, expected", [("1", True), ("true", True), ("0", False), ("no", False)])

@@ -5,9 +5,9 @@ import re
 import pytest
 import yaml
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
 from .conftest import ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 
 def _name(requirement: str) -> str:

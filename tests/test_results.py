@@ -81,3 +81,15 @@ def test_reference_round_trip_with_provenance(results_dir, monkeypatch, tmp_path
     assert reference("full")["device_name"].tolist() == ["Some GPU"]
     provenance = reference_provenance("full")
     assert provenance["devices"] == ["Some GPU"] and provenance["command"].startswith("gpulab course")
+
+
+def test_cli_reference_add(results_dir, monkeypatch, tmp_path, capsys):
+    import gpulab.results as results
+    from gpulab import cli
+
+    monkeypatch.setattr(results, "REFERENCE_DIR", tmp_path / "reference")
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    log = ResultLog("quick_rows")
+    log.add(size=1)
+    assert cli.main(["reference", "add", str(log.path), "--command", "make course"]) == 1
+    assert "quick-mode" in capsys.readouterr().err
