@@ -47,6 +47,9 @@ class Result:
         return self.points if self.status == CORRECT else 0
 
 
+_FILL_IN = "replace the ____ (or the `# YOUR CODE HERE` part) with your answer, then run this cell again."
+_FILL_IN_BODY = "your function still raises NotImplementedError: fill in its body, then run this cell again."
+
 _results: dict[tuple[str, str], Result] = {}
 _registry: dict[str, list["Question"]] = {}
 
@@ -79,9 +82,9 @@ class Question:
                 raise NotAttempted
             status, message = CORRECT, self.checker(*answers) or "well done."
         except NotAttempted:
-            status, message = NOT_ATTEMPTED, "replace the ____ (or the `# YOUR CODE HERE` part) with your answer, then run this cell again."
+            status, message = NOT_ATTEMPTED, _FILL_IN
         except NotImplementedError:
-            status, message = NOT_ATTEMPTED, "your function still raises NotImplementedError: fill in its body, then run this cell again."
+            status, message = NOT_ATTEMPTED, _FILL_IN_BODY
         except Wrong as err:
             status, message = WRONG, str(err)
         except Exception as err:  # the learner's code failed inside the check: say where, briefly

@@ -120,7 +120,7 @@ def device_info(device: str | torch.device | None = None) -> DeviceInfo:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     common = dict(torch_version=torch.__version__, cuda_version=torch.version.cuda, cudnn_version=cudnn)
     if device.type != "cuda":
-        return DeviceInfo(device="cpu", name=platform.processor() or platform.machine(), **common)
+        return DeviceInfo(device="cpu", name=_cpu_name(), **common)
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
     driver, pcie = _nvml_facts(device.index)
@@ -138,6 +138,15 @@ def device_info(device: str | torch.device | None = None) -> DeviceInfo:
         pcie=pcie,
         **common,
     )
+
+
+def _cpu_name() -> str:
+    """The processor's model name where the OS tells it (Linux), else its architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def _nvml_facts(index: int) -> tuple[str | None, PcieLink | None]:
