@@ -1,0 +1,235 @@
+"""Lesson 03, batching: the knee of a throughput curve, gradient accumulation, a budgeted batch search,
+and the learning-rate scaling rule."""
+
+import math
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..check import Question, Wrong, expect_close
+from ..models import WideMLP
+
+# ----- q1: the knee of a measured throughput curve -------------------------------------------------
+
+
+def knee_by_gain(curve: pd.DataFrame, gain: float = 0.1) -> int:
+    """The smallest batch size after which the next one gains less than ``gain`` in samples/s."""
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    for i in range(len(sizes) - 1):
+        if rates[i + 1] < (1 + gain) * rates[i]:
+            return int(sizes[i])
+    return int(sizes[-1])
+
+
+def _curve(rates: dict) -> pd.DataFrame:
+    return pd.DataFrame({"batch_size": list(rates), "samples_per_s": list(rates.values())})
+
+
+_SATURATING = _curve({b: 1000 * b / (b + 32) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)})
+_KNEE_CASES = [  # (curve, gain)
+    (_SATURATING, 0.1),
+    (_SATURATING.sample(frac=1, random_state=0), 0.1),  # rows in any order
+    (_SATURATING, 0.5),
+    (_curve({1: 100, 2: 180, 4: 185, 8: 300, 16: 310}), 0.1),  # a dip: the first flat step is the knee
+    (_curve({1: 10, 2: 20, 4: 40, 8: 80}), 0.1),  # not saturated yet: the largest batch measured
+]
+
+
+def _check_knee(knee, curve) -> str:
+    if not callable(knee):
+        raise Wrong(f"pass your function itself, `q1.check(knee, curve)`, not {type(knee).__name__}")
+    if not isinstance(curve, pd.DataFrame) or not {"batch_size", "samples_per_s"} <= set(curve.columns):
+        raise Wrong("pass the measured curve as the second argument: a DataFrame with batch_size and samples_per_s")
+    for case, gain in _KNEE_CASES:
+        expected, got = knee_by_gain(case, gain), knee(case.copy(), gain=gain)
+        if got != expected:
+            points = ", ".join(f"{b}: {r:.0f}" for b, r in sorted(zip(case.batch_size, case.samples_per_s)))
+            hint = " That is where throughput peaks, not where it stops growing." if got == case.batch_size[
+                case.samples_per_s.idxmax()] else ""
+            raise Wrong(f"for the curve {{{points}}} (batch: samples/s) with gain={gain}, the knee is batch "
+                        f"{expected}; your function returned {got}.{hint}")
+    mine = knee(curve.copy())
+    if mine != knee_by_gain(curve):
+        raise Wrong(f"on your measured curve the knee is batch {knee_by_gain(curve)}, your function returned {mine}")
+    return f"the knee of your measured curve is at batch {mine}."
+
+
+# ----- q2: gradient accumulation that matches one large batch ---------------------------------------
+
+
+def _check_accumulation(accumulate_gradients) -> str:
+    if not callable(accumulate_gradients):
+        raise Wrong("pass your function itself: `q2.check(accumulate_gradients)`")
+    for batch, micro in ((12, 4), (10, 4)):
+        _check_one_accumulation(accumulate_gradients, batch, micro)
+    return "your accumulated gradients equal the large batch's, with equal and with unequal micro-batches."
+
+
+def _check_one_accumulation(accumulate_gradients, batch: int, micro: int) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 20, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    model = WideMLP(in_features=20, width=32, depth=2, seed=3).double()
+    F.cross_entropy(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    model.zero_grad(set_to_none=True)
+    sizes = []
+    hook = model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+    try:
+        accumulate_gradients(model, x, y, micro)
+    finally:
+        hook.remove()
+    counts = [micro] * (batch // micro) + ([batch % micro] if batch % micro else [])
+    if sorted(sizes, reverse=True) != counts:
+        raise Wrong(f"a batch of {batch} in micro-batches of at most {micro} should run the model on {counts} "
+                    f"samples, but it ran on {sizes}")
+    if any(not torch.equal(w, p) for w, p in zip(weights, model.parameters())):
+        raise Wrong("the weights changed: only accumulate the gradients, leave optimizer.step() to the caller")
+    grads = [p.grad for p in model.parameters()]
+    if any(g is None for g in grads):
+        raise Wrong("some parameters have no gradient: call loss.backward() for every micro-batch")
+    if all(torch.allclose(g, e) for g, e in zip(grads, expected)):
+        return
+    k = len(counts)
+    if all(torch.allclose(g, k * e) for g, e in zip(grads, expected)):
+        raise Wrong(f"your gradients are {k}× too large: each micro-batch's mean loss must be scaled down before "
+                    "backward(), since backward() adds gradients up")
+    if batch % micro:
+        raise Wrong(f"with micro-batches of {counts} samples the gradients differ from the large batch's: weight each "
+                    "micro-batch's mean loss by its share of the batch (len(xb) / len(x)); dividing by the number "
+                    "of micro-batches is only right when they are all the same size")
+    raise Wrong("the accumulated gradients differ from the large batch's: backward() every micro-batch without "
+                "clearing .grad in between, each loss scaled by the micro-batch's share of the batch")
+
+
+# ----- q3: a batch search that respects a memory budget ---------------------------------------------
+
+
+def _check_search(largest_batch) -> str:
+    if not callable(largest_batch):
+        raise Wrong("pass your function itself: `q3.check(largest_batch)`")
+    cases = [  # (description, peak_bytes(b), budget, max_batch, answer)
+        ("1 kB + 300 B per sample", lambda b: 1000 + 300 * b, 100_000, 4096, 330),
+        ("1 kB + 300 B per sample, max_batch=200", lambda b: 1000 + 300 * b, 100_000, 200, 200),
+        ("a card that runs out of memory above batch 77", _card(77), 10**12, 4096, 77),
+        ("a model that needs more than the budget even at batch 1", lambda b: 10_000 + b, 5_000, 1024, 0),
+        ("max_batch=1", lambda b: b, 100, 1, 1),
+    ]
+    for what, peak, budget, max_batch, answer in cases:
+        calls = []
+
+        def peak_bytes(batch_size, peak=peak, calls=calls, max_batch=max_batch):
+            calls.append(batch_size)
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= max_batch:
+                raise ValueError(f"batch sizes are whole numbers from 1 to max_batch={max_batch}")
+            return peak(batch_size)
+
+        try:
+            got = largest_batch(peak_bytes, budget, max_batch)
+        except torch.OutOfMemoryError:
+            raise Wrong(f"({what}) your search let torch.OutOfMemoryError escape: catch it, a batch that does not "
+                        "fit on the card counts as a failure") from None
+        bad = [b for b in calls if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch]
+        if bad:
+            raise Wrong(f"({what}) peak_bytes was called with {bad[0]!r}: batch sizes are whole numbers "
+                        f"from 1 to max_batch={max_batch}")
+        limit = 2 * math.ceil(math.log2(max_batch)) + 2
+        if got != answer:
+            power = " (a power of two: after the first failure, bisect between the last fit and it)" if (
+                isinstance(got, int) and got > 1 and got & (got - 1) == 0) else ""
+            raise Wrong(f"({what}, budget {budget:,} B) the largest batch that fits is {answer}, your search "
+                        f"returned {got}{power}; it tried {calls}")
+        if len(calls) > limit:
+            raise Wrong(f"({what}) your search needed {len(calls)} measurements; doubling then bisecting needs at "
+                        f"most {limit} for max_batch={max_batch}")
+    return "your search finds the exact largest batch within the budget, stops at max_batch and survives OOM."
+
+
+def _card(largest: int):
+    def peak(batch_size):
+        if batch_size > largest:
+            raise torch.OutOfMemoryError(f"emulated card: batch {batch_size} does not fit")
+        return 1000 * batch_size
+    return peak
+
+
+# ----- q4: the learning-rate scaling rule with accumulation -----------------------------------------
+
+
+def _check_lr(lr) -> str:
+    if isinstance(lr, (int, float)) and math.isclose(lr, 0.05):
+        raise Wrong("that is the micro-batch's learning rate: with 8 accumulated micro-batches per optimizer step "
+                    "the effective batch is 8 × 64 = 512, so the rule scales the learning rate by 8")
+    return expect_close(lr, 0.05 * 8, rel=0.01, what="the learning rate")
+
+
+q1 = Question(
+    lesson="03", number=1, title="find the knee",
+    checker=_check_knee,
+    hint_text="Sort the rows by `batch_size`, then walk through neighbours: the first row whose next "
+              "`samples_per_s` is below `(1 + gain)` times its own is the knee. No such row: the last batch size.",
+    solution_text="""
+def knee(curve, gain=0.1):
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    for i in range(len(sizes) - 1):
+        if rates[i + 1] < (1 + gain) * rates[i]:
+            return sizes[i]
+    return sizes[-1]
+""",
+)
+
+q2 = Question(
+    lesson="03", number=2, title="accumulate like a large batch",
+    checker=_check_accumulation,
+    hint_text="`x.split(micro_batch)` gives micro-batches of at most `micro_batch` samples. `F.cross_entropy` "
+              "returns the mean over a micro-batch; multiply it by `len(xb) / len(x)` before `backward()`, and "
+              "never clear `.grad` inside the loop.",
+    solution_text="""
+def accumulate_gradients(model, x, y, micro_batch):
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        loss = F.cross_entropy(model(xb), yb) * (len(xb) / len(x))
+        loss.backward()
+""",
+)
+
+q3 = Question(
+    lesson="03", number=3, title="a search within a budget",
+    checker=_check_search,
+    hint_text="Write `fits(b)`: `peak_bytes(b) <= budget`, and False when it raises `torch.OutOfMemoryError`. "
+              "Double b from 1 (never past `max_batch`) until it does not fit, keeping the last fit `lo` and the "
+              "first failure `hi`; then bisect: `mid = (lo + hi) // 2` until `hi - lo == 1`.",
+    solution_text="""
+def largest_batch(peak_bytes, budget, max_batch):
+    def fits(b):
+        try:
+            return peak_bytes(b) <= budget
+        except torch.OutOfMemoryError:
+            return False
+
+    lo, hi, b = 0, None, 1
+    while hi is None:              # grow: 1, 2, 4, ... (never past max_batch)
+        if not fits(b):
+            hi = b
+        elif b == max_batch:
+            return b
+        else:
+            lo, b = b, min(2 * b, max_batch)
+    while hi - lo > 1:             # bisect between the last fit and the first failure
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+""",
+)
+
+q4 = Question(
+    lesson="03", number=4, title="the learning rate of an accumulated batch",
+    checker=_check_lr,
+    hint_text="The linear scaling rule multiplies the learning rate by the factor the *effective* batch grew by. "
+              "What is the effective batch of 8 accumulated micro-batches of 64?",
+    solution_text="lr = 0.05 * (8 * 64) / 64   # 0.4: the effective batch is 512, eight times 64",
+)
