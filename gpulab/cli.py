@@ -84,7 +84,7 @@ def _bench(args) -> int:
         for name, group in ref.groupby("device_name"):
             table[f"ref: {name}"] = table["test"].map(group.set_index("test")["value"])
             columns.append(f"ref: {name}")
-    print(table[columns].fillna("").to_string(index=False))
+    print(table[columns].astype(object).fillna("").to_string(index=False))
     return 0
 
 

@@ -1,0 +1,404 @@
+"""Lesson 03: the shared models, the OOM-safe batch finder (on the CPU, with a memory budget),
+gradient accumulation, and the lesson's exercise checks."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpulab import batch_finder, models
+from gpulab.batch_finder import FITS, OUT_OF_MEMORY, OVER_BUDGET, MemoryTracker, find_max_batch
+from gpulab.check import ____
+from gpulab.questions import lesson03
+
+KB = 1024
+
+
+def bytes_step(per_sample: int, fixed: int = 0):
+    """A step whose tensors take exactly ``fixed + per_sample * batch`` bytes at their peak."""
+    def step(batch_size):
+        a = torch.ones(fixed, dtype=torch.uint8) if fixed else None
+        b = torch.ones(per_sample * batch_size, dtype=torch.uint8)
+        return a, b
+    return step
+
+
+# ----- models ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda s: models.SmallCNN(width=8, seed=s), lambda s: models.WideMLP(width=64, seed=s)])
+def test_models_are_seeded_and_leave_the_global_stream_alone(make):
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, c = make(0), make(0), make(1)
+    assert torch.equal(torch.rand(1), expected_next)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    assert a(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+# ----- the memory tracker ---------------------------------------------------------------------------
+
+def test_tracker_counts_new_tensors_not_views_and_frees():
+    base = torch.ones(1000)
+    with MemoryTracker() as tracker:
+        view = base[:10].t()  # a view: no new memory
+        new = torch.ones(256, dtype=torch.uint8)
+        assert tracker.current == 256
+        new.add_(1)  # in place: no new memory
+        assert tracker.current == 256
+    del new, view
+    assert tracker.current == 0 and tracker.peak == 256
+
+
+def test_tracker_counts_a_training_step():
+    model = models.WideMLP(in_features=16, width=64, depth=1)
+    with MemoryTracker() as tracker:
+        F.cross_entropy(model(torch.randn(32, 16)), torch.randint(0, 10, (32,))).backward()
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    assert tracker.current == grads  # the gradients stay; the activations are gone
+    assert tracker.peak > grads + 32 * 64 * 4
+
+
+def test_tracker_budget_raises_out_of_memory():
+    with pytest.raises(torch.OutOfMemoryError), MemoryTracker(budget=1000) as tracker:
+        torch.ones(2000, dtype=torch.uint8)
+    assert tracker.current == 0
+
+
+# ----- the finder: results --------------------------------------------------------------------------
+
+def test_finder_finds_the_exact_largest_batch_within_a_budget():
+    result = find_max_batch(bytes_step(per_sample=KB, fixed=4 * KB), budget_bytes=100 * KB)
+    assert result.batch_size == 96  # 4 kB + 96 × 1 kB = 100 kB
+    assert result.trials[-1].batch_size in (96, 97)
+    assert [t.batch_size for t in result.trials[:8]] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert all(t.fits == (t.batch_size <= 96) for t in result.trials)
+    assert len(result.trials) <= 2 * math.ceil(math.log2(128)) + 1
+    assert result.allocated_before == result.allocated_after == 0
+
+
+def test_finder_granularity_and_table():
+    result = find_max_batch(bytes_step(per_sample=KB), budget_bytes=100 * KB, granularity=8)
+    assert result.batch_size == 96 and "within 8" in result.stopped
+    table = result.table()
+    assert list(table.columns) == ["batch_size", "outcome", "peak_MiB", "seconds"] and len(table) == len(result.trials)
+    assert set(table.outcome) == {FITS, OVER_BUDGET}
+    assert "largest batch that fits on cpu" in str(result) and "nothing left behind" in str(result)
+
+
+def test_finder_on_a_real_training_step_respects_the_budget():
+    def step(batch_size):
+        model = models.SmallCNN(width=4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    budget = 8 * 2**20
+    result = find_max_batch(step, budget_bytes=budget, granularity=4)
+    fits = [t for t in result.trials if t.fits]
+    fails = [t for t in result.trials if not t.fits]
+    assert result.batch_size == max(t.batch_size for t in fits)
+    assert min(t.batch_size for t in fails) - result.batch_size <= 4
+    assert all(t.peak_bytes <= budget for t in fits) and all(t.peak_bytes > budget for t in fails)
+    assert result.allocated_after == result.allocated_before == 0
+
+
+def test_finder_never_loops_forever():
+    result = find_max_batch(lambda b: None, max_batch=1000)
+    assert result.batch_size == 1000 and "max_batch=1000" in result.stopped
+    assert [t.batch_size for t in result.trials][-2:] == [512, 1000]
+    capped = find_max_batch(bytes_step(per_sample=KB), budget_bytes=100 * KB, max_trials=5)
+    assert len(capped.trials) == 5 and capped.batch_size == 16 and "max_trials" in capped.stopped
+
+
+def test_finder_when_nothing_fits():
+    result = find_max_batch(bytes_step(per_sample=KB, fixed=200 * KB), budget_bytes=100 * KB)
+    assert result.batch_size is None and "not even batch 1" in result.stopped and len(result.trials) == 1
+    below_start = find_max_batch(bytes_step(per_sample=KB), start=256, budget_bytes=100 * KB)
+    assert below_start.batch_size == 100  # searches below a start that does not fit
+
+
+# ----- the finder: recovery after out-of-memory -----------------------------------------------------
+
+def test_finder_frees_what_a_failed_step_held():
+    """A real OOM (raised by the step while it holds tensors) and an emulated one (the budget)."""
+    def step(batch_size):
+        held = [torch.ones(KB * batch_size, dtype=torch.uint8) for _ in range(3)]  # alive in the traceback
+        if batch_size > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        return held
+
+    result = find_max_batch(step, budget_bytes=10**9)
+    assert result.batch_size == 20
+    assert {t.outcome for t in result.trials if not t.fits} == {OUT_OF_MEMORY}
+    assert result.allocated_after == result.allocated_before == 0
+
+
+def test_finder_frees_reference_cycles():
+    def step(batch_size):
+        cycle = {"tensor": torch.ones(KB * batch_size, dtype=torch.uint8)}
+        cycle["self"] = cycle  # freed only by the garbage collector
+
+    result = find_max_batch(step, budget_bytes=50 * KB)
+    assert result.batch_size == 50 and result.allocated_after == 0
+
+
+def test_finder_reports_memory_a_step_keeps():
+    kept = []
+    result = find_max_batch(lambda b: kept.append(torch.ones(KB, dtype=torch.uint8)), max_batch=4)
+    assert result.allocated_after - result.allocated_before == len(kept) * KB
+    assert "left behind" in str(result)
+
+
+@pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB",
+                                     "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_MEMORY",
+                                     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"])
+def test_memory_errors_that_are_plain_runtime_errors_count_as_out_of_memory(message):
+    def step(batch_size):
+        if batch_size > 8:
+            raise RuntimeError(message)
+
+    assert find_max_batch(step).batch_size == 8
+
+
+# ----- the finder: bad input ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [ValueError("mat1 and mat2 shapes cannot be multiplied"),
+                                   RuntimeError("Expected all tensors to be on the same device"),
+                                   KeyError("labels")])
+def test_finder_reraises_other_errors_unchanged(error):
+    def step(batch_size):
+        if batch_size >= 4:
+            raise error
+
+    with pytest.raises(type(error)) as info:
+        find_max_batch(step, budget_bytes=10**6)
+    assert info.value is error
+
+
+def test_finder_reraises_a_broken_model_unchanged():
+    model = models.WideMLP(in_features=100, width=8, depth=1)  # expects 100 features, gets 3×32×32
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_max_batch(lambda b: model(torch.randn(b, 3, 32, 32)), budget_bytes=10**6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(start=0), "start must be a whole number >= 1"),
+    (dict(start=2.5), "start must be a whole number"),
+    (dict(max_batch=0), "max_batch must be"),
+    (dict(start=64, max_batch=32), "below start"),
+    (dict(granularity=0), "granularity"),
+    (dict(max_trials=0), "max_trials"),
+    (dict(budget_bytes=0), "budget_bytes must be a positive number"),
+    (dict(budget_bytes=-5), "budget_bytes must be a positive number"),
+    (dict(budget_bytes=float("nan")), "budget_bytes must be a positive number"),
+    (dict(budget_bytes="1GB"), "budget_bytes must be a positive number"),
+])
+def test_finder_rejects_bounds_and_budgets_that_make_no_sense(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        find_max_batch(lambda b: None, **kwargs)
+
+
+def test_finder_needs_a_function():
+    with pytest.raises(TypeError, match="function of the batch size"):
+        find_max_batch(128)
+
+
+@pytest.mark.gpu
+def test_finder_on_a_real_gpu_returns_memory_to_where_it_started():
+    def step(batch_size):
+        torch.ones(batch_size * 2**28, dtype=torch.uint8, device="cuda")  # 256 MiB a sample: a real OOM soon
+
+    result = find_max_batch(step, max_batch=2**12, device="cuda")
+    assert result.batch_size is not None and result.batch_size < 2**12
+    assert any(t.outcome == OUT_OF_MEMORY for t in result.trials)
+    assert result.allocated_after == result.allocated_before
+    with pytest.raises(ValueError, match="more than this GPU has"):
+        find_max_batch(step, budget_bytes=10**15, device="cuda")
+
+
+# ----- gradient accumulation (the notebook's recipe) ------------------------------------------------
+
+def accumulated_gradients(model, x, y, k, scale=True):
+    """The recipe the lesson teaches: k micro-batches, each loss divided by k, one backward each."""
+    model.zero_grad(set_to_none=True)
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        loss = F.cross_entropy(model(xb), yb)
+        (loss / k if scale else loss).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_accumulation_equals_the_large_batch(k):
+    model = models.WideMLP(in_features=48, width=64, depth=2).double()
+    x, y = torch.randn(64, 48, dtype=torch.float64), torch.randint(0, 10, (64,))
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    large = [p.grad.clone() for p in model.parameters()]
+    accumulated = accumulated_gradients(model, x, y, k)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(accumulated, large))
+    unscaled = accumulated_gradients(model, x, y, k, scale=False)  # the bug: k times too large
+    assert all(torch.allclose(u, k * b) for u, b in zip(unscaled, large))
+    assert not all(torch.allclose(u, b) for u, b in zip(unscaled, large))
+
+
+def test_accumulation_is_not_exact_with_batchnorm():
+    model = models.SmallCNN(width=4).double()
+    x, y = torch.randn(16, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (16,))
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    large = [p.grad.clone() for p in model.parameters()]
+    accumulated = accumulated_gradients(model, x, y, 4)
+    assert not all(torch.allclose(a, b) for a, b in zip(accumulated, large))
+
+
+# ----- the exercise checks --------------------------------------------------------------------------
+
+def curve():
+    return pd.DataFrame({"batch_size": [1, 2, 4, 8, 16], "samples_per_s": [10.0, 19.0, 30.0, 31.0, 33.0]})
+
+
+def right_knee(curve, gain=0.1):
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    for i in range(len(sizes) - 1):
+        if rates[i + 1] < (1 + gain) * rates[i]:
+            return sizes[i]
+    return sizes[-1]
+
+
+def right_accumulation(model, x, y, micro_batch):
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        (F.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+
+
+def right_search(peak_bytes, budget, max_batch):
+    def fits(b):
+        try:
+            return peak_bytes(b) <= budget
+        except torch.OutOfMemoryError:
+            return False
+
+    lo, hi, b = 0, None, 1
+    while hi is None:
+        if not fits(b):
+            hi = b
+        elif b == max_batch:
+            return b
+        else:
+            lo, b = b, min(2 * b, max_batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def naive_search(peak_bytes, budget, max_batch):
+    b = 1
+    while b <= max_batch:
+        try:
+            if peak_bytes(b) > budget:
+                break
+        except torch.OutOfMemoryError:
+            break
+        b *= 2
+    return b // 2
+
+
+def linear_search(peak_bytes, budget, max_batch):
+    b = 0
+    while b < max_batch and peak_bytes(b + 1) <= budget:
+        b += 1
+    return b
+
+
+def unguarded_search(peak_bytes, budget, max_batch):
+    return right_search(lambda b: peak_bytes(b), budget, max_batch * 2)
+
+
+def divide_by_k(model, x, y, micro_batch):
+    chunks = list(zip(x.split(micro_batch), y.split(micro_batch)))
+    for xb, yb in chunks:
+        (F.cross_entropy(model(xb), yb) / len(chunks)).backward()
+
+
+def unscaled(model, x, y, micro_batch):
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        F.cross_entropy(model(xb), yb).backward()
+
+
+def zero_inside(model, x, y, micro_batch):
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        model.zero_grad()
+        (F.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+
+
+def full_batch(model, x, y, micro_batch):
+    F.cross_entropy(model(x), y).backward()
+
+
+def stepping(model, x, y, micro_batch):
+    right_accumulation(model, x, y, micro_batch)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def blank_function(*args, **kwargs):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("question, right", [
+    (lesson03.q1, (right_knee, curve())),
+    (lesson03.q2, (right_accumulation,)),
+    (lesson03.q3, (right_search,)),
+    (lesson03.q4, (0.4,)),
+])
+def test_right_answers_pass(question, right):
+    question.check(*right)
+    assert question.last.status == "correct", question.last.message
+
+
+@pytest.mark.parametrize("question, wrong, says", [
+    (lesson03.q1, (lambda c, gain=0.1: int(c.batch_size[c.samples_per_s.idxmax()]), curve()), "peaks"),
+    (lesson03.q1, (lambda c, gain=0.1: right_knee(c, gain) * 2, curve()), "the knee is batch"),
+    (lesson03.q1, (right_knee, "not a frame"), "DataFrame"),
+    (lesson03.q2, (divide_by_k,), "share of the batch"),
+    (lesson03.q2, (unscaled,), "too large"),
+    (lesson03.q2, (zero_inside,), "without clearing"),
+    (lesson03.q2, (full_batch,), "micro-batches of at most"),
+    (lesson03.q2, (stepping,), "weights changed"),
+    (lesson03.q3, (naive_search,), "power of two"),
+    (lesson03.q3, (linear_search,), "measurements"),
+    (lesson03.q3, (unguarded_search,), "called with"),
+    (lesson03.q3, (lambda p, b, m: right_search(lambda x: p(x) if x < 50 else p(10**9), b, m),), "largest batch"),
+    (lesson03.q4, (0.05,), "effective batch"),
+    (lesson03.q4, (0.05 * 64,), "learning rate"),
+])
+def test_plausible_wrong_answers_are_rejected(question, wrong, says):
+    question.check(*wrong)
+    assert question.last.status == "wrong"
+    assert says in question.last.message
+
+
+@pytest.mark.parametrize("question, blank", [
+    (lesson03.q1, (blank_function, curve())),
+    (lesson03.q2, (blank_function,)),
+    (lesson03.q3, (blank_function,)),
+    (lesson03.q4, (____,)),
+])
+def test_blank_answers_are_not_attempted(question, blank):
+    question.check(*blank)
+    assert question.last.status == "not attempted"
+
+
+def test_the_check_uses_the_learners_own_curve():
+    lesson03.q1.check(right_knee, curve())
+    assert "batch 4" in lesson03.q1.last.message
+
+
+def test_batch_finder_module_exports():
+    assert batch_finder.is_out_of_memory(batch_finder.BudgetExceeded("x"))
+    assert not batch_finder.is_out_of_memory(ValueError("out of memory"))
