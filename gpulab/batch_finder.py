@@ -227,8 +227,7 @@ class _Meter:
             outcome = OVER_BUDGET if isinstance(err, BudgetExceeded) else OUT_OF_MEMORY
         # Here the error is gone, and with it the traceback that kept the failed step's tensors alive.
         peak = self._peak()
-        if outcome != FITS or self.allocated() > self.start:
-            self.clean_up()
+        self.clean_up(empty_cache=outcome != FITS)
         return Trial(batch_size, outcome, peak, time.perf_counter() - began)
 
     def _run(self, step, batch_size: int) -> None:
@@ -246,10 +245,13 @@ class _Meter:
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else self.tracker.peak
         return peak - self.start
 
-    def clean_up(self) -> None:
-        gc.collect()  # frees what sits in reference cycles (a model and its optimizer often do)
-        if self.cuda:
-            torch.cuda.empty_cache()  # give cached blocks back, so the next trial starts unfragmented
+    def clean_up(self, empty_cache: bool = True) -> None:
+        """Free what the last trial left: reference cycles (a model and its optimizer often form one)
+        need the garbage collector; after a failure, cached CUDA blocks go back to the driver."""
+        if self.allocated() > self.start:
+            gc.collect()
+        if self.cuda and empty_cache:
+            torch.cuda.empty_cache()
 
 
 def _check_bounds(start, max_batch, granularity, max_trials) -> None:

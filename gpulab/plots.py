@@ -142,3 +142,47 @@ def utilisation(samples, column: str = "gpu_util_pct", *, ylabel: str = "GPU uti
         ax.set_ylabel(ylabel)
         ax.set_title(title, pad=40 if not samples.empty else None)
     return ax
+
+
+def roofline(frame, *, peaks: dict | None = None, datasheet: dict | None = None, bandwidth_gbs: float | None = None,
+             x: str = "intensity", y: str = "tflops", by: str = "precision", title: str = "", ax=None):
+    """A roofline: measured TFLOP/s against arithmetic intensity (FLOP/byte), one line per ``by`` group.
+
+    Roofs in each group's colour: ``peaks`` (measured, dashed) and ``datasheet`` (vendor figures, dotted),
+    both {group: TFLOP/s}; ``bandwidth_gbs`` draws the memory roof, bandwidth × intensity.
+    """
+    from matplotlib.lines import Line2D
+
+    ax = _axes(ax)
+    with style():
+        colors = {}
+        for name, group in frame.groupby(by, sort=False):
+            group = group.sort_values(x)
+            (line,) = ax.plot(group[x], group[y], marker="o", label=str(name))
+            colors[name] = line.get_color()
+        roofs = []
+        for values, linestyle in ((peaks or {}, "--"), (datasheet or {}, ":")):
+            for name, value in values.items():
+                if value and value == value:  # skip None and NaN
+                    ax.axhline(value, color=colors.get(name, "gray"), linestyle=linestyle, linewidth=1.2)
+                    roofs.append(value)
+        handles, _ = ax.get_legend_handles_labels()
+        if bandwidth_gbs and bandwidth_gbs == bandwidth_gbs:
+            top = max(roofs + [frame[y].max()])
+            lo, hi = frame[x].min() / 2, min(frame[x].max() * 2, top * 1e3 / bandwidth_gbs)
+            xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
+            ys = [bandwidth_gbs * v / 1e3 for v in xs]  # GB/s × FLOP/byte = GFLOP/s; /1e3 → TFLOP/s
+            (memory,) = ax.plot(xs, ys, color="black", linestyle="-.", linewidth=1,
+                                label=f"memory roof ({bandwidth_gbs:,.0f} GB/s copy)")
+            handles.append(memory)
+        if peaks:
+            handles.append(Line2D([], [], color="gray", linestyle="--", label="measured peak (large matmul)"))
+        if datasheet and any(v and v == v for v in datasheet.values()):
+            handles.append(Line2D([], [], color="gray", linestyle=":", label="datasheet peak (vendor)"))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(title)
+        ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return ax

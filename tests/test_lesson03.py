@@ -143,8 +143,8 @@ def test_finder_frees_reference_cycles():
         cycle = {"tensor": torch.ones(KB * batch_size, dtype=torch.uint8)}
         cycle["self"] = cycle  # freed only by the garbage collector
 
-    result = find_max_batch(step, budget_bytes=50 * KB)
-    assert result.batch_size == 50 and result.allocated_after == 0
+    result = find_max_batch(step, budget_bytes=3 * KB)
+    assert result.batch_size == 3 and result.allocated_after == 0
 
 
 def test_finder_reports_memory_a_step_keeps():
@@ -247,13 +247,13 @@ def test_accumulation_equals_the_large_batch(k):
 
 
 def test_accumulation_is_not_exact_with_batchnorm():
-    model = models.SmallCNN(width=4).double()
-    x, y = torch.randn(16, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (16,))
+    model = models.SmallCNN(width=4)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
-    large = [p.grad.clone() for p in model.parameters()]
-    accumulated = accumulated_gradients(model, x, y, 4)
-    assert not all(torch.allclose(a, b) for a, b in zip(accumulated, large))
+    large = torch.cat([p.grad.flatten() for p in model.parameters()])
+    accumulated = torch.cat([g.flatten() for g in accumulated_gradients(model, x, y, 4)])
+    assert (accumulated - large).abs().max() > 1e-3 * large.abs().max()  # far beyond float32 rounding
 
 
 # ----- the exercise checks --------------------------------------------------------------------------
@@ -316,6 +316,10 @@ def linear_search(peak_bytes, budget, max_batch):
     return b
 
 
+def strictly_below(peak_bytes, budget, max_batch):
+    return right_search(peak_bytes, budget - 1, max_batch)  # a step that needs exactly the budget fits
+
+
 def unguarded_search(peak_bytes, budget, max_batch):
     return right_search(lambda b: peak_bytes(b), budget, max_batch * 2)
 
@@ -373,7 +377,7 @@ def test_right_answers_pass(question, right):
     (lesson03.q3, (naive_search,), "power of two"),
     (lesson03.q3, (linear_search,), "measurements"),
     (lesson03.q3, (unguarded_search,), "called with"),
-    (lesson03.q3, (lambda p, b, m: right_search(lambda x: p(x) if x < 50 else p(10**9), b, m),), "largest batch"),
+    (lesson03.q3, (strictly_below,), "largest batch"),
     (lesson03.q4, (0.05,), "effective batch"),
     (lesson03.q4, (0.05 * 64,), "learning rate"),
 ])

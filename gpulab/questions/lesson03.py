@@ -133,7 +133,10 @@ def _check_search(largest_batch) -> str:
         except torch.OutOfMemoryError:
             raise Wrong(f"({what}) your search let torch.OutOfMemoryError escape: catch it, a batch that does not "
                         "fit on the card counts as a failure") from None
-        bad = [b for b in calls if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch]
+        except ValueError:
+            if not _bad_calls(calls, max_batch):
+                raise
+        bad = _bad_calls(calls, max_batch)
         if bad:
             raise Wrong(f"({what}) peak_bytes was called with {bad[0]!r}: batch sizes are whole numbers "
                         f"from 1 to max_batch={max_batch}")
@@ -147,6 +150,10 @@ def _check_search(largest_batch) -> str:
             raise Wrong(f"({what}) your search needed {len(calls)} measurements; doubling then bisecting needs at "
                         f"most {limit} for max_batch={max_batch}")
     return "your search finds the exact largest batch within the budget, stops at max_batch and survives OOM."
+
+
+def _bad_calls(calls: list, max_batch: int) -> list:
+    return [b for b in calls if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch]
 
 
 def _card(largest: int):

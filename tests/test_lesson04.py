@@ -1,0 +1,307 @@
+"""Lesson 04 (mixed precision): precision helpers, the GradScaler checkpoint round trip, the teacher task,
+the roofline figure, and the exercise checks (right passes, plausible wrong is rejected, blank is not attempted)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gpulab import plots, precision, tasks  # noqa: E402
+from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____  # noqa: E402
+from gpulab.questions.lesson04 import q1, q2, q3, q4  # noqa: E402
+
+
+def status(question, *answers) -> str:
+    question.check(*answers)
+    return question.last.status
+
+
+# ---- precision helpers ----------------------------------------------------------------------------------------
+
+
+def test_flops_throughput_and_intensity():
+    assert precision.matmul_flops(2, 3, 4) == 48
+    assert precision.tflops(3e12, 1.5) == pytest.approx(2.0)
+    assert precision.matmul_intensity(1024, 1024, 1024, 2) == pytest.approx(2 * 1024 / (3 * 2))
+    assert precision.matmul_intensity(64, 64, 64, 2) == pytest.approx(2 * precision.matmul_intensity(64, 64, 64, 4))
+
+
+@pytest.mark.parametrize("name, entry", [
+    ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", None), ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA GeForce RTX 4090", None), ("AMD EPYC", None),
+])
+def test_datasheet_entry_from_device_name(name, entry):
+    assert precision.datasheet_gpu(name) == entry
+
+
+def test_datasheet_peaks_only_where_listed():
+    assert precision.datasheet_peak("Tesla T4", "fp16") == 65.0
+    assert precision.datasheet_peak("Tesla T4", "bf16") is None  # no native bf16 on a T4
+    assert precision.datasheet_peak("NVIDIA H100 PCIe", "bf16") < precision.datasheet_peak("NVIDIA H100 80GB HBM3",
+                                                                                           "bf16")
+    assert precision.datasheet_peak("a CPU", "fp32") is None
+    assert "not measured" in precision.DATASHEET_SOURCE
+
+
+def test_precision_support_follows_compute_capability():
+    cpu = precision.precision_support(None)
+    assert [p for p, s in cpu.items() if s.available] == ["fp32", "bf16"]
+    t4 = precision.precision_support((7, 5))
+    assert t4["fp16"].available and not t4["bf16"].available and not t4["tf32"].available
+    assert "7.5" in t4["bf16"].note and "emulated" in t4["bf16"].note
+    assert all(s.available for s in precision.precision_support((8, 0)).values())
+    assert all(s.available for s in precision.precision_support((9, 0)).values())
+    pascal = precision.precision_support((6, 1))
+    assert pascal["fp16"].available and "without tensor cores" in pascal["fp16"].note
+
+
+def test_device_support_and_measured_peak_here():
+    here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cc = torch.cuda.get_device_capability() if here.type == "cuda" else None
+    assert precision.device_support(here) == precision.precision_support(cc)
+    peak, n = precision.measured_peak(torch.float32, here, n=64)
+    assert n == 64 and peak > 0
+
+
+# ---- checkpoints keep the GradScaler's state ------------------------------------------------------------------
+
+
+def _run(seed=0, **scaler_kwargs):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.amp.GradScaler("cpu", **scaler_kwargs)
+
+
+def _step(model, opt, scaler, x, y, overflow=False):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    if overflow:  # what an fp16 overflow leaves behind
+        model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_gradscaler_checkpoint_round_trip(tmp_path):
+    x, y = torch.randn(32, 8), torch.randint(3, (32,))
+    model, opt, scaler = _run(init_scale=2.0**20, growth_interval=3)
+    for i in range(5):
+        _step(model, opt, scaler, x, y, overflow=i == 2)
+    assert scaler.get_scale() == 2.0**19 and scaler.state_dict()["_growth_tracker"] == 2  # not the defaults
+
+    path = precision.save_checkpoint(tmp_path / "ckpt.pt", model, opt, scaler, step=5)
+    model2, opt2, scaler2 = _run(seed=1)  # other weights, default scaler
+    assert precision.load_checkpoint(path, model2, opt2, scaler2) == {"step": 5}
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert scaler2.get_scale() == scaler.get_scale()
+
+    _step(model, opt, scaler, x, y)  # the next step: scale grows (tracker reaches 3) in both runs
+    _step(model2, opt2, scaler2, x, y)
+    assert scaler.get_scale() == scaler2.get_scale() == 2.0**20
+    assert scaler.state_dict() == scaler2.state_dict()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_without_scaler_state_is_refused(tmp_path):
+    model, opt, _ = _run()
+    path = precision.save_checkpoint(tmp_path / "no_scaler.pt", model, opt)
+    with pytest.raises(ValueError, match="no GradScaler state"):
+        precision.load_checkpoint(path, model, opt, torch.amp.GradScaler("cpu"))
+    assert precision.load_checkpoint(path, model, opt) == {}
+
+
+# ---- the teacher task is learnable ----------------------------------------------------------------------------
+
+
+def test_teacher_task_is_deterministic_and_learnable():
+    task = tasks.teacher_task(4096, 2000, seed=0)
+    again = tasks.teacher_task(4096, 2000, seed=0)
+    assert torch.equal(task.x_train, again.x_train) and torch.equal(task.y_test, again.y_test)
+    first = [y for _, y in task.batches(64, 3, seed=1)]
+    assert all(torch.equal(a, b) for a, b in zip(first, [y for _, y in again.batches(64, 3, seed=1)]))
+    assert task.chance() < 0.3  # no class dominates
+
+    torch.manual_seed(0)
+    model = tasks.student_mlp(task.dim, 64, 2, task.classes)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    before = task.accuracy(model)
+    for x, y in task.batches(128, 150, seed=1):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = task.accuracy(model)
+    assert after > 0.45 and after > 2 * task.chance() and after > before + 0.2
+
+
+# ---- the roofline figure ---------------------------------------------------------------------------------------
+
+
+def test_roofline_draws_points_roofs_and_memory_slope():
+    import pandas as pd
+
+    frame = pd.DataFrame({"precision": ["fp32", "fp32", "bf16", "bf16"], "intensity": [10, 100, 20, 200],
+                          "tflops": [5, 40, 10, 300]})
+    ax = plots.roofline(frame, peaks={"fp32": 50, "bf16": 600}, datasheet={"fp32": 67, "bf16": None},
+                        bandwidth_gbs=2000, title="t")
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    # 2 sweeps + 2 measured roofs + 1 datasheet roof (None skipped) + the memory slope
+    assert len(ax.get_lines()) == 6
+    labels = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {"fp32", "bf16", "measured peak (large matmul)", "datasheet peak (vendor)"} <= labels
+    slope = [line for line in ax.get_lines() if line.get_label().startswith("memory roof")][0]
+    assert max(slope.get_ydata()) <= 600 * 1.0001  # the slope stops at the highest roof
+
+
+# ---- exercise checks --------------------------------------------------------------------------------------------
+
+
+def test_q1_tflops():
+    M, N, K, seconds = 512, 256, 1024, 0.004
+    assert status(q1, 2 * M * N * K / seconds / 1e12, M, N, K, seconds) == CORRECT
+    assert status(q1, M * N * K / seconds / 1e12, M, N, K, seconds) == WRONG
+    assert "2 FLOPs" in q1.last.message
+    assert status(q1, 2 * M * N * K / seconds / 1e9, M, N, K, seconds) == WRONG
+    assert "GFLOP/s" in q1.last.message
+    assert status(q1, 2 * M**3 / seconds / 1e12, M, N, K, seconds) == WRONG
+    assert status(q1, ____, M, N, K, seconds) == NOT_ATTEMPTED
+
+
+def train_step(model, optimizer, scaler, x, y, device_type, dtype):
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def step_without_scaler_step(model, optimizer, scaler, x, y, device_type, dtype):
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    optimizer.step()
+    scaler.update()
+    return loss
+
+
+def step_backward_unscaled(model, optimizer, scaler, x, y, device_type, dtype):
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss)
+    loss.backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def step_without_autocast(model, optimizer, scaler, x, y, device_type, dtype):
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def step_without_zero_grad(model, optimizer, scaler, x, y, device_type, dtype):
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def step_without_update(model, optimizer, scaler, x, y, device_type, dtype):
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    return loss
+
+
+def unfinished_step(model, optimizer, scaler, x, y, device_type, dtype):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (step_without_scaler_step, "scaler.step(optimizer)"),
+    (step_backward_unscaled, "unscaled loss"),
+    (step_without_autocast, "torch.autocast"),
+    (step_without_zero_grad, "zero_grad"),
+    (step_without_update, "scaler.update()"),
+])
+def test_q2_rejects_plausible_wrong_steps(wrong, says):
+    assert status(q2, wrong) == WRONG
+    assert says in q2.last.message
+
+
+def test_q2_train_step():
+    assert status(q2, train_step) == CORRECT
+    assert status(q2, unfinished_step) == NOT_ATTEMPTED
+
+
+def test_q2_solution_trains_with_a_real_gradscaler():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(8, 4), torch.randint(2, (8,))
+    losses = [train_step(model, opt, scaler, x, y, "cpu", torch.bfloat16).item() for _ in range(20)]
+    assert losses[-1] < losses[0]
+
+
+def underflow_share(grads, scale):
+    nonzero = grads != 0
+    return (((grads * scale).half() == 0) & nonzero).sum().item() / nonzero.sum().item()
+
+
+def share_with_exact_zeros(grads, scale):
+    return ((grads * scale).half() == 0).float().mean().item()
+
+
+def share_below_smallest_normal(grads, scale):
+    nonzero = grads != 0
+    small = (grads * scale).abs() < torch.finfo(torch.float16).tiny
+    return ((small & nonzero).sum() / nonzero.sum()).item()
+
+
+def share_below_smallest_subnormal(grads, scale):
+    nonzero = grads != 0
+    return (((grads * scale).abs() < 2.0**-24) & nonzero).float().sum().item() / nonzero.sum().item()
+
+
+def test_q3_underflow_share():
+    assert status(q3, underflow_share) == CORRECT
+    assert status(q3, share_with_exact_zeros) == WRONG
+    assert "non-zero" in q3.last.message
+    assert status(q3, share_below_smallest_normal) == WRONG
+    assert "subnormal" in q3.last.message
+    assert status(q3, share_below_smallest_subnormal) == WRONG  # fp16 rounds, it does not truncate
+    assert status(q3, ____) == NOT_ATTEMPTED
+
+
+def choose_precision(compute_capability):
+    return (torch.bfloat16, False) if compute_capability >= (8, 0) else (torch.float16, True)
+
+
+def test_q4_choose_precision():
+    assert status(q4, choose_precision) == CORRECT
+    assert status(q4, lambda cc: ("bf16", False) if cc[0] >= 8 else ("fp16", True)) == CORRECT
+    assert status(q4, lambda cc: (torch.bfloat16, False)) == WRONG  # bf16 on a T4
+    assert "emulate" in q4.last.message
+    assert status(q4, lambda cc: (torch.float16, True)) == WRONG  # fp16 where bf16 is native
+    assert status(q4, lambda cc: (torch.bfloat16, True) if cc >= (8, 0) else (torch.float16, True)) == WRONG
+    assert "no GradScaler" in q4.last.message
+    assert status(q4, lambda cc: (torch.bfloat16, False) if cc >= (8, 0) else (torch.float16, False)) == WRONG
+    assert status(q4, ____) == NOT_ATTEMPTED
