@@ -130,4 +130,4 @@ def _index(device) -> int:
 
         device = get_device()
     device = torch.device(device)
-    return device.index or 0 if device.type == "cuda" else 0
+    return (device.index or 0) if device.type == "cuda" else 0

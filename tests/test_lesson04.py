@@ -162,7 +162,7 @@ def test_roofline_draws_points_roofs_and_memory_slope():
 
 
 def test_q1_tflops():
-    M, N, K, seconds = 512, 256, 1024, 0.004
+    M, N, K, seconds = 384, 256, 1024, 0.004
     assert status(q1, 2 * M * N * K / seconds / 1e12, M, N, K, seconds) == CORRECT
     assert status(q1, M * N * K / seconds / 1e12, M, N, K, seconds) == WRONG
     assert "2 FLOPs" in q1.last.message
