@@ -65,8 +65,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        for schema, result in zip(func._schema.returns, results):
+        returns = func._schema.returns
+        results = (out,) if len(returns) == 1 else (out or ())  # one result (maybe a list), several, or none
+        for schema, result in zip(returns, results):
             if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
                 for tensor in tree_leaves(result):
                     if isinstance(tensor, torch.Tensor):

@@ -63,8 +63,7 @@ def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, l
             group = group.sort_values(x)
             ax.plot(group[x], group[y], marker="o", label=str(name), **plot_kwargs)
         if logx:
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(ScalarFormatter())
+            _log_x(ax, frame[x])
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel(xlabel or x)
@@ -73,6 +72,15 @@ def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, l
         if by:
             ax.legend()
     return ax
+
+
+def _log_x(ax, values):
+    """Powers of two written out (16, 32, 64, ...) over narrow ranges, powers of ten over wide ones."""
+    if values.max() / values.min() <= 2**12:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+    else:
+        ax.set_xscale("log")
 
 
 def mark(ax, x: float, text: str, color: str = "tab:red"):

@@ -53,6 +53,16 @@ def test_tracker_counts_new_tensors_not_views_and_frees():
     assert tracker.current == 0 and tracker.peak == 256
 
 
+def test_tracker_counts_every_tensor_of_a_list_result():
+    tensors = [torch.ones(100, dtype=torch.uint8) for _ in range(3)]
+    with MemoryTracker() as tracker:
+        sums = torch._foreach_add(tensors, 1)  # one result: a list of three new tensors
+        halves = torch.ones(10, dtype=torch.uint8).split(5)  # the ones are new, the halves are views
+    assert tracker.current == 300 + 10
+    del sums, halves
+    assert tracker.current == 0
+
+
 def test_tracker_counts_a_training_step():
     model = models.WideMLP(in_features=16, width=64, depth=1)
     with MemoryTracker() as tracker:

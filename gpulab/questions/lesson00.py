@@ -45,7 +45,7 @@ def _check_predict(predict) -> str:
                         "and return its output there (no `.cpu()`)")
         if out.shape != expected.shape:
             raise Wrong(f"the output has shape {tuple(out.shape)}, the model's output has {tuple(expected.shape)}")
-        if target.type != "meta" and not torch.allclose(out.detach().cpu(), expected, rtol=1e-3, atol=1e-3):
+        if target.type != "meta" and not torch.allclose(out.detach().cpu(), expected, rtol=1e-2, atol=1e-2):
             raise Wrong("the values differ from the model's own output: just move model and batch, then call the model")
     return f"model and batch meet on the device (checked on {here} and on 'meta', a device every machine has)."
 
