@@ -113,7 +113,9 @@ class BatchSearch:
     device: str
     budget_bytes: float | None
     allocated_before: int  # bytes allocated when the search started (CPU: tracked tensors, so 0)
-    allocated_after: int  # ... and after it finished; equal unless the step keeps tensors alive
+    # ... and after it finished: equal unless the step keeps tensors alive, or made a one-time allocation
+    # (cuBLAS keeps a workspace from the first matrix multiply of a process on)
+    allocated_after: int
 
     def table(self) -> pd.DataFrame:
         """One row per trial, in the order they ran."""
@@ -149,13 +151,16 @@ def find_max_batch(
     max_trials: int = 40,
     device: str | torch.device | None = None,
 ) -> BatchSearch:
-    """The largest batch size in ``[start, max_batch]`` for which ``step(batch_size)`` fits in memory.
+    """The largest batch size up to ``max_batch`` for which ``step(batch_size)`` fits in memory.
 
     Doubles from ``start`` until a step runs out of memory (or past ``budget_bytes`` above what was
-    allocated when the search began), then bisects down to ``granularity``. At most ``max_trials``
-    calls. ``step`` should build everything it needs (model, optimizer, batch) and keep nothing, so
-    that every byte is counted and freed again. Errors other than running out of memory propagate
-    unchanged.
+    allocated when the search began), then bisects down to ``granularity`` (below ``start`` if even
+    that fails). At most ``max_trials`` calls. ``step`` should build everything it needs (model,
+    optimizer, batch) and keep nothing, so that every byte is counted and freed again. Errors other
+    than running out of memory propagate unchanged.
+
+    The budget is checked against the allocator's peak after each step on CUDA (a step may pass it
+    briefly), and enforced while the step runs elsewhere (a MemoryTracker stops it).
     """
     if not callable(step):
         raise TypeError(f"step must be a function of the batch size, got {type(step).__name__}")
@@ -247,8 +252,8 @@ class _Meter:
         return peak - self.start
 
     def clean_up(self, empty_cache: bool = True) -> None:
-        """Free what the last trial left: reference cycles (a model and its optimizer often form one)
-        need the garbage collector; after a failure, cached CUDA blocks go back to the driver."""
+        """Free what the last trial left: objects in reference cycles wait for the garbage collector;
+        after a failure, cached CUDA blocks go back to the driver."""
         if self.allocated() > self.start:
             gc.collect()
         if self.cuda and empty_cache:

@@ -100,7 +100,7 @@ def precision_support(compute_capability: tuple[int, int] | None) -> dict[str, S
             "tf32": (ampere, "fp32 matmuls on tensor cores, 10-bit mantissa" if ampere
                      else f"needs compute capability 8.0+ (Ampere); {here}"),
             "fp16": (True, "tensor cores; needs a GradScaler" if cc >= (7, 0)
-                     else f"runs, but without tensor cores (they need 7.0+; {here}): little speed-up"),
+                     else f"runs, but without tensor cores (they need 7.0+; {here}): usually little speed-up"),
             "bf16": (ampere, "tensor cores; fp32's range, no GradScaler needed" if ampere
                      else f"not native before compute capability 8.0 ({here}): it would be emulated, slowly"),
         }

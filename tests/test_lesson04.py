@@ -115,6 +115,41 @@ def test_checkpoint_without_scaler_state_is_refused(tmp_path):
     assert precision.load_checkpoint(path, model, opt) == {}
 
 
+@pytest.mark.gpu
+def test_fp16_run_on_the_gpu_resumes_identically(tmp_path):
+    """The lesson's recipe on CUDA: fp16 autocast + GradScaler("cuda"), checkpoint, identical next step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**30, growth_interval=2)
+    x, y = torch.randn(128, 64, device="cuda"), torch.randint(10, (128,), device="cuda")
+
+    def step(model, opt, scaler):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    start = [p.detach().clone() for p in model.parameters()]
+    for _ in range(16):
+        step(model, opt, scaler)
+    assert scaler.get_scale() < 2.0**30  # 2^30 overflowed fp16: skipped steps, then real ones
+    assert not all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+    path = precision.save_checkpoint(tmp_path / "gpu.pt", model, opt, scaler)
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    scaler2 = torch.amp.GradScaler("cuda")
+    precision.load_checkpoint(path, model2, opt2, scaler2)
+    assert scaler2.state_dict() == scaler.state_dict()
+    step(model, opt, scaler)
+    step(model2, opt2, scaler2)
+    assert scaler.state_dict() == scaler2.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert precision.device_support()["bf16"].available == torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 # ---- the teacher task is learnable ----------------------------------------------------------------------------
 
 
