@@ -19,9 +19,17 @@ STYLE = {
 
 @contextmanager
 def style():
-    """The course's matplotlib style, for a ``with`` block."""
+    """The course's matplotlib style, for a ``with`` block.
+
+    rc_context restores every rcParam on exit, ``interactive`` too; Jupyter's inline backend may switch
+    that on inside the block, and turning it back off would stop later figures from being shown.
+    """
     with plt.rc_context(STYLE):
-        yield
+        try:
+            yield
+        finally:
+            interactive = plt.isinteractive()
+    plt.interactive(interactive)
 
 
 def _axes(ax):

@@ -24,3 +24,14 @@ def test_curves_one_line_per_group_and_marks():
     plots.hline(ax, 3, "limit")
     assert len(ax.get_lines()) == 4 and ax.get_xscale() == "log"
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {"cpu", "cuda"}
+
+
+def test_style_keeps_interactive_mode_switched_on_inside_it():
+    """Jupyter's inline backend turns interactive mode on at the first figure; later figures need it kept."""
+    import matplotlib.pyplot as plt
+
+    plt.ioff()
+    with plots.style():
+        plt.ion()
+    assert plt.isinteractive()
+    plt.ioff()
