@@ -192,7 +192,7 @@ def roofline(frame, *, peaks: dict | None = None, datasheet: dict | None = None,
                                 label=f"memory roof ({bandwidth_gbs:,.0f} GB/s copy)")
             handles.append(memory)
         if peaks:
-            handles.append(Line2D([], [], color="gray", linestyle="--", label="measured peak (large matmul)"))
+            handles.append(Line2D([], [], color="gray", linestyle="--", label="measured peak (fastest matmul)"))
         if datasheet and any(v and v == v for v in datasheet.values()):
             handles.append(Line2D([], [], color="gray", linestyle=":", label="datasheet peak (vendor)"))
         ax.set_xscale("log")
