@@ -188,7 +188,7 @@ def test_roofline_draws_points_roofs_and_memory_slope():
     # 2 sweeps + 2 measured roofs + 1 datasheet roof (None skipped) + the memory slope
     assert len(ax.get_lines()) == 6
     labels = {t.get_text() for t in ax.get_legend().get_texts()}
-    assert {"fp32", "bf16", "measured peak (large matmul)", "datasheet peak (vendor)"} <= labels
+    assert {"fp32", "bf16", "measured peak (fastest matmul)", "datasheet peak (vendor)"} <= labels
     slope = [line for line in ax.get_lines() if line.get_label().startswith("memory roof")][0]
     assert max(slope.get_ydata()) <= 600 * 1.0001  # the slope stops at the highest roof
 
