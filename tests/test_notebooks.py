@@ -62,3 +62,10 @@ def test_readme_lists_lesson_with_its_colab_badge(path):
 def test_no_machine_paths_in_notebooks():
     for path in ALL:
         assert not re.search(r"/(work|tmp|root|home)/", path.read_text()), path
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
+def test_every_question_has_a_hint_and_a_solution_that_compiles(path):
+    for q in check.questions(path.name[:2]):
+        assert q.hint_text.strip(), f"{q.name} has no hint"
+        compile(q.solution_text, f"{q.lesson} {q.name} solution", "exec")
