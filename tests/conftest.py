@@ -19,3 +19,9 @@ def results_dir(tmp_path, monkeypatch):
     """Results go to a temporary folder, never the repository's results/."""
     monkeypatch.setenv("GPULAB_RESULTS", str(tmp_path / "results"))
     return tmp_path / "results"
+
+
+def shown_solution(question, name: str, **scope):
+    """The function ``name`` defined by the solution a question shows learners, run with ``scope`` as globals."""
+    exec(question.solution_text, scope)
+    return scope[name]

@@ -7,6 +7,8 @@ import gpulab
 from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____
 from gpulab.questions.lesson00 import q1, q2, q3, q4
 
+from .conftest import shown_solution
+
 
 def status(question, *answers) -> str:
     question.check(*answers)
@@ -57,13 +59,7 @@ def test_q2_accepts_a_measurement():
     assert status(q2, 32, m, 2 * 32**3 / m.median / 1e12) == CORRECT
 
 
-def crossover(sizes, baseline_s, candidate_s):
-    answer = None
-    for size, base, cand in reversed(list(zip(sizes, baseline_s, candidate_s, strict=True))):
-        if not cand < base:
-            break
-        answer = size
-    return answer
+crossover = shown_solution(q3, "crossover")
 
 
 def first_faster(sizes, baseline_s, candidate_s):

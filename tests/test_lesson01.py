@@ -9,6 +9,8 @@ import gpulab
 from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____
 from gpulab.questions.lesson01 import q1, q2, q3, q4
 
+from .conftest import shown_solution
+
 device = gpulab.get_device()
 
 
@@ -17,17 +19,7 @@ def status(question, *answers) -> str:
     return question.last.status
 
 
-def time_ms(fn):
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+time_ms = shown_solution(q1, "time_ms", device=device, torch=torch, time=time)
 
 
 def time_ms_without_sync(fn):

@@ -13,6 +13,8 @@ from gpulab.batch_finder import FITS, OUT_OF_MEMORY, OVER_BUDGET, MemoryTracker,
 from gpulab.check import ____
 from gpulab.questions import lesson03
 
+from .conftest import shown_solution
+
 KB = 1024
 
 
@@ -281,30 +283,10 @@ def right_knee(curve, gain=0.1):
     return sizes[-1]
 
 
-def right_accumulation(model, x, y, micro_batch):
-    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
-        (F.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+right_accumulation = shown_solution(lesson03.q2, "accumulate_gradients", F=F)
 
 
-def right_search(peak_bytes, budget, max_batch):
-    def fits(b):
-        try:
-            return peak_bytes(b) <= budget
-        except torch.OutOfMemoryError:
-            return False
-
-    lo, hi, b = 0, None, 1
-    while hi is None:
-        if not fits(b):
-            hi = b
-        elif b == max_batch:
-            return b
-        else:
-            lo, b = b, min(2 * b, max_batch)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+right_search = shown_solution(lesson03.q3, "largest_batch", torch=torch)
 
 
 def naive_search(peak_bytes, budget, max_batch):

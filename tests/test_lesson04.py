@@ -12,6 +12,8 @@ from gpulab import plots, precision, tasks  # noqa: E402
 from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____  # noqa: E402
 from gpulab.questions.lesson04 import q1, q2, q3, q4  # noqa: E402
 
+from .conftest import shown_solution  # noqa: E402
+
 
 def status(question, *answers) -> str:
     question.check(*answers)
@@ -207,14 +209,7 @@ def test_q1_tflops():
     assert status(q1, ____, M, N, K, seconds) == NOT_ATTEMPTED
 
 
-def train_step(model, optimizer, scaler, x, y, device_type, dtype):
-    with torch.autocast(device_type, dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    return loss
+train_step = shown_solution(q2, "train_step", torch=torch)
 
 
 def step_without_scaler_step(model, optimizer, scaler, x, y, device_type, dtype):
