@@ -8,13 +8,13 @@ import torch
 
 from .device import device_info, get_device, sync
 from .mode import by_mode, quick_mode
-from .results import ResultLog, reference, reference_provenance
+from .results import ResultLog, reference, reference_for, reference_provenance
 from .timing import Measurement, bench
 
 __version__ = "0.1.0"
 __all__ = [
     "Measurement", "ResultLog", "bench", "by_mode", "device_info", "get_device", "quick_mode",
-    "reference", "reference_provenance", "setup", "sync",
+    "reference", "reference_for", "reference_provenance", "setup", "sync",
 ]
 
 

@@ -91,6 +91,24 @@ def _log_x(ax, values):
         ax.set_xscale("log")
 
 
+def overlay_reference(ax, reference, x: str, y: str, *, by: str | None = None):
+    """Draw reference rows (``gpulab.reference_for(...)``) on ``ax`` as dashed lines, one per GPU and ``by`` group.
+
+    The title, axis labels, scales and the learner's own lines stay as they are; the legend gains the
+    reference lines. An empty frame draws nothing.
+    """
+    if reference is None or reference.empty:
+        return ax
+    keys = ["device_name"] + ([by] if by else [])
+    with style():
+        for key, group in reference.groupby(keys, sort=False):
+            name = " · ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
+            group = group.sort_values(x)
+            ax.plot(group[x], group[y], linestyle="--", marker=".", alpha=0.8, label=f"{name} (reference)")
+        ax.legend()
+    return ax
+
+
 def mark(ax, x: float, text: str, color: str = "tab:red"):
     """A labelled vertical line (a crossover, a knee, a limit)."""
     ax.axvline(x, color=color, linestyle="--", linewidth=1)

@@ -137,6 +137,28 @@ def reference_provenance(name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def reference_for(name: str) -> pd.DataFrame:
+    """``reference(name)``, after one line saying which GPUs, torch versions, dates and command produced it.
+
+    The one way every lesson shows "this experiment on real GPUs" next to the learner's own results;
+    ``plots.overlay_reference`` draws the rows on a figure.
+    """
+    ref = reference(name)
+    if ref.empty:
+        print(f"No reference results for '{name}' ship with the course yet: a full run on a GPU records them in "
+              f"results/{name}.csv, and `gpulab reference add results/{name}.csv --command ...` ships them.")
+        return ref
+    meta = reference_provenance(name)
+    devices = ", ".join(meta.get("devices") or ref["device_name"].astype(str).unique())
+    torches = ", ".join(meta.get("torch") or ref["torch"].astype(str).unique())
+    dates = sorted({str(d)[:10] for d in meta.get("measured", [])})
+    command = meta.get("command")
+    print(f"Reference results for '{name}': {devices}, torch {torches}"
+          + (f", measured {' to '.join(dates)}" if dates else "")
+          + (f", by `{command}`" if command else "") + ".")
+    return ref
+
+
 def add_reference(csv_path: str | Path, command: str, name: str | None = None) -> Path:
     """Ship a measured results CSV as reference results, with its provenance beside it."""
     frame = load(csv_path)

@@ -35,3 +35,26 @@ def test_style_keeps_interactive_mode_switched_on_inside_it():
         plt.ion()
     assert plt.isinteractive()
     plt.ioff()
+
+
+def test_reference_overlay_keeps_the_learners_title_labels_and_lines():
+    from gpulab import reference_for
+
+    mine = pd.DataFrame({"working_set_mb": [1.0, 4.0, 16.0], "gb_per_s": [10.0, 20.0, 25.0]})
+    ax = plots.curves(mine, "working_set_mb", "gb_per_s", logy=False, xlabel="MB", ylabel="GB/s", title="Mine")
+    ref = reference_for("01_copy_bandwidth")
+    plots.overlay_reference(ax, ref, "working_set_mb", "gb_per_s")
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("Mine", "MB", "GB/s")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[0] == "gb_per_s" and any(label.endswith("(reference)") for label in labels[1:])
+    assert len(ax.get_lines()) == 1 + ref["device_name"].nunique()
+
+
+def test_reference_overlay_of_nothing_draws_nothing(capsys):
+    from gpulab import reference_for
+
+    ref = reference_for("no_such_experiment")
+    assert ref.empty and "No reference results for 'no_such_experiment'" in capsys.readouterr().out
+    ax = plots.curves(pd.DataFrame({"n": [1, 2], "t": [1, 2]}), "n", "t", title="T")
+    plots.overlay_reference(ax, ref, "n", "t")
+    assert len(ax.get_lines()) == 1 and ax.get_title() == "T"

@@ -93,3 +93,11 @@ def test_cli_reference_add(results_dir, monkeypatch, tmp_path, capsys):
     log.add(size=1)
     assert cli.main(["reference", "add", str(log.path), "--command", "make course"]) == 1
     assert "quick-mode" in capsys.readouterr().err
+
+
+def test_reference_for_says_where_the_results_come_from(capsys):
+    from gpulab import reference_for
+
+    ref = reference_for("01_copy_bandwidth")
+    out = capsys.readouterr().out
+    assert not ref.empty and "H100" in out and "torch 2.11" in out and "gpulab course" in out
