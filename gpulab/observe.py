@@ -5,11 +5,19 @@ value such as ``.item()`` or ``print(x)``, explicit ``synchronize()`` calls), th
 (``.to``, ``.cuda``, ``.cpu``, ``copy_``: target device, ``non_blocking``), the device every operation
 ran on, and the dtype of every matrix product and convolution (what autocast chose). It sees the same
 on a CPU, where nothing waits, so a check can tell that a loop *would* stall a GPU without one.
+
+A GPU can be stood in for on a machine without one in two ways. ``observe(fake_meta_reads=True)``
+lets the "meta" device play the GPU: code runs on meta tensors, every transfer back to the host is
+recorded in ``to_host`` and reads as zeros instead of failing. ``simulated_gpu()`` plays a GPU's
+queue and clock: work queued with ``gpu.launch(seconds)`` returns at once and "runs" in real time,
+and ``torch.cuda.synchronize()``, CUDA events and streams wait for it, so a timer that does not
+synchronise measures the wrong thing there exactly as it does on a GPU.
 """
 
+import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -29,11 +37,12 @@ _PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "convolution", "_scaled_
 
 @dataclass(frozen=True)
 class Copy:
-    """One copy the code asked for: the method, the target device type, and whether it was non-blocking."""
+    """One copy the code asked for: the method, the target device type, whether it was non-blocking, the source's."""
 
     method: str
     target: str
     non_blocking: bool
+    source: str = ""
 
 
 @dataclass
@@ -45,6 +54,8 @@ class Observed:
     copies: list[Copy] = field(default_factory=list)
     op_devices: Counter = field(default_factory=Counter)
     product_dtypes: Counter = field(default_factory=Counter)
+    product_devices: Counter = field(default_factory=Counter)
+    to_host: list[str] = field(default_factory=list)  # operations that brought data from a device to the host
 
     @property
     def waits(self) -> int:
@@ -57,14 +68,17 @@ class Observed:
 
 
 @contextmanager
-def observe() -> Iterator[Observed]:
-    """Record, while the block runs, what its code does with tensors (see the module's docstring)."""
+def observe(fake_meta_reads: bool = False) -> Iterator[Observed]:
+    """Record, while the block runs, what its code does with tensors (see the module's docstring).
+
+    With ``fake_meta_reads``, meta tensors read back to the host give zeros instead of raising.
+    """
     seen = Observed()
     with ExitStack() as stack:
         for name, patched in _synchronize_spies(seen).items():
             stack.enter_context(mock.patch(name, patched))
         stack.enter_context(_Methods(seen))
-        stack.enter_context(_Operations(seen))
+        stack.enter_context(_Operations(seen, fake_meta_reads))
         yield seen
 
 
@@ -83,16 +97,17 @@ class _Methods(TorchFunctionMode):
         target = _target(name, args, kwargs) if name in COPY_METHODS and args and isinstance(args[0], torch.Tensor) else None
         if target:
             non_blocking = bool(kwargs.get("non_blocking")) or any(a is True for a in args[2:])
-            self.seen.copies.append(Copy(name, target, non_blocking))
+            self.seen.copies.append(Copy(name, target, non_blocking, args[0].device.type))
         return func(*args, **kwargs)
 
 
 class _Operations(TorchDispatchMode):
     """The operations that really run (after autograd and autocast): their device and, for products, dtype."""
 
-    def __init__(self, seen: Observed):
+    def __init__(self, seen: Observed, fake_meta_reads: bool = False):
         super().__init__()
         self.seen = seen
+        self.fake_meta_reads = fake_meta_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,7 +119,39 @@ class _Operations(TorchDispatchMode):
             self.seen.op_devices[tensors[0].device.type] += 1
             if name in _PRODUCTS:
                 self.seen.product_dtypes[tensors[0].dtype] += 1
+                self.seen.product_devices[tensors[0].device.type] += 1
+        source = _to_host_from(name, tensors, kwargs)
+        if source:
+            self.seen.to_host.append(name)
+            if source == "meta" and self.fake_meta_reads:
+                return _zeros_for(name, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _to_host_from(name: str, tensors: list, kwargs: dict) -> str | None:
+    """The device an operation brings data from to the host (None when it does not): a scalar read,
+    a copy to the CPU, or an operation writing into a host tensor from a device tensor."""
+    if not tensors:
+        return None
+    first = tensors[0].device.type
+    if name == "_local_scalar_dense":
+        return first if first != "cpu" else None
+    if name == "_to_copy":
+        target = kwargs.get("device")
+        return first if first != "cpu" and target is not None and torch.device(target).type == "cpu" else None
+    if first == "cpu":
+        return next((t.device.type for t in tensors[1:] if t.device.type != "cpu"), None)
+    return None
+
+
+def _zeros_for(name: str, args: tuple, kwargs: dict):
+    """What a read of a meta tensor gives under ``fake_meta_reads``: zeros of the right type and shape."""
+    if name == "_local_scalar_dense":
+        dtype = args[0].dtype
+        return False if dtype == torch.bool else 0 if not dtype.is_floating_point and not dtype.is_complex else 0.0
+    if name == "_to_copy":
+        return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+    return args[0].zero_()  # an operation writing into a host tensor: it holds zeros afterwards
 
 
 def _has_mask(args: tuple) -> bool:
@@ -149,3 +196,94 @@ def _synchronize_spies(seen: Observed) -> dict:
         "torch.cuda.Event.synchronize": spy("Event.synchronize()", torch.cuda.Event.synchronize),
         "torch.cuda.Stream.synchronize": spy("Stream.synchronize()", torch.cuda.Stream.synchronize),
     }
+
+
+class SimulatedGpu:
+    """A GPU's queue played on the host: ``launch(seconds)`` queues work and returns at once; the work
+    "runs" item after item in real time, and waiting calls sleep until the queue reaches them."""
+
+    def __init__(self):
+        self.busy_until = time.perf_counter()
+        self.launched = 0
+
+    def launch(self, seconds: float) -> None:
+        """Queue ``seconds`` of work behind what is already queued."""
+        self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
+        self.launched += 1
+
+    def wait(self, until: float | None = None) -> None:
+        """Sleep until the queue has run everything (or up to the time ``until``)."""
+        delay = (self.busy_until if until is None else until) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+@contextmanager
+def simulated_gpu() -> Iterator[SimulatedGpu]:
+    """For the block: ``torch.cuda`` reports a GPU whose queue is a ``SimulatedGpu``.
+
+    ``torch.cuda.synchronize()``, ``Event`` (``record``, ``synchronize``, ``query``, ``elapsed_time`` in ms,
+    refused until both events have completed, as CUDA does), ``Stream``, ``current_stream()`` and
+    ``torch.cuda.stream(...)`` work on it. Tensors cannot be put on it: only timing code runs here.
+    """
+    gpu = SimulatedGpu()
+
+    class Event:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False, **_):
+            self.enable_timing, self.at = enable_timing, None
+
+        def record(self, stream=None):
+            self.at = max(time.perf_counter(), gpu.busy_until)
+
+        def query(self):
+            return self.at is None or time.perf_counter() >= self.at
+
+        def synchronize(self):
+            if self.at is not None:
+                gpu.wait(self.at)
+
+        def wait(self, stream=None):
+            pass
+
+        def elapsed_time(self, end):
+            if not (self.enable_timing and end.enable_timing):
+                raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+            if self.at is None or end.at is None or not (self.query() and end.query()):
+                raise RuntimeError("CUDA error: device not ready (the events have not completed: synchronize first)")
+            return (end.at - self.at) * 1e3
+
+    class Stream:
+        def __init__(self, device=None, priority=0, **_):
+            pass
+
+        def synchronize(self):
+            gpu.wait()
+
+        def query(self):
+            return time.perf_counter() >= gpu.busy_until
+
+        def wait_stream(self, stream):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            event = event or Event()
+            event.record()
+            return event
+
+    stream = Stream()
+    patches = {
+        "torch.cuda.is_available": lambda: True,
+        "torch.cuda.synchronize": lambda device=None: gpu.wait(),
+        "torch.cuda.Event": Event,
+        "torch.cuda.Stream": Stream,
+        "torch.cuda.current_stream": lambda device=None: stream,
+        "torch.cuda.default_stream": lambda device=None: stream,
+        "torch.cuda.stream": lambda s=None: nullcontext(),
+    }
+    with ExitStack() as stack:
+        for name, patched in patches.items():
+            stack.enter_context(mock.patch(name, patched))
+        yield gpu

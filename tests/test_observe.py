@@ -1,4 +1,5 @@
 import io
+import time
 
 import pytest
 import torch
@@ -68,3 +69,56 @@ def test_ops_are_counted_per_device():
         torch.randn(4, device="meta") + 1
         torch.randn(4) + 1
     assert seen.op_devices["meta"] >= 1 and seen.op_devices["cpu"] >= 1
+
+
+def test_transfers_to_the_host_read_as_zeros_from_the_meta_stand_in():
+    loss = torch.randn((), device="meta")
+    host = torch.empty(3)
+    with observe(fake_meta_reads=True) as seen:
+        scalar = loss.item()
+        copied = torch.stack([loss, loss]).cpu().numpy()
+        host[0] = loss  # a copy into a host tensor, one element at a time
+        loss.to("meta")  # stays on the device: not a transfer
+    assert seen.to_host == ["_local_scalar_dense", "_to_copy", "copy_"]
+    assert scalar == 0.0 and copied.tolist() == [0.0, 0.0] and host[0] == 0
+    assert [c.source for c in seen.copies] == ["meta", "meta"]
+    with observe() as seen, pytest.raises(RuntimeError):  # without the option, meta data still cannot be read
+        loss.item()
+
+
+def test_product_devices_say_where_a_model_ran():
+    model = torch.nn.Linear(4, 2)
+    with observe() as seen:
+        model(torch.randn(3, 4))
+        model.to("meta")(torch.randn(3, 4, device="meta"))
+    assert seen.product_devices == {"cpu": 1, "meta": 1}
+
+
+def test_a_simulated_gpu_makes_an_unsynchronised_clock_wrong():
+    from gpulab.observe import simulated_gpu
+
+    with simulated_gpu() as gpu:
+        assert torch.cuda.is_available()
+        start = time.perf_counter()
+        gpu.launch(0.05)  # queued: returns at once
+        queued_s = time.perf_counter() - start
+        torch.cuda.synchronize()
+        done_s = time.perf_counter() - start
+    assert queued_s < 0.01 and done_s >= 0.05
+
+
+def test_simulated_cuda_events_time_the_queue_and_refuse_early_reads():
+    from gpulab.observe import simulated_gpu
+
+    with simulated_gpu() as gpu, observe() as seen:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gpu.launch(0.04)
+        end.record()
+        with pytest.raises(RuntimeError, match="not ready"):
+            start.elapsed_time(end)  # the GPU has not reached the end marker yet
+        end.synchronize()
+        elapsed_ms = start.elapsed_time(end)
+        torch.cuda.current_stream().synchronize()
+    assert 40 <= elapsed_ms < 60
+    assert seen.syncs == ["Event.synchronize()", "Stream.synchronize()"]
