@@ -342,15 +342,122 @@ def stepping(model, x, y, micro_batch):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
+def except_exception(peak_bytes, budget, max_batch):
+    """The search, but catching every error: a broken model looks like "batch too large"."""
+    def guarded(b):
+        try:
+            return peak_bytes(b)
+        except Exception:
+            return budget + 1
+    return right_search(guarded, budget, max_batch)
+
+
+def except_runtime_error(peak_bytes, budget, max_batch):
+    def guarded(b):
+        try:
+            return peak_bytes(b)
+        except RuntimeError:  # torch.OutOfMemoryError is one, but so is a shape error
+            return budget + 1
+    return right_search(guarded, budget, max_batch)
+
+
+def keeps_the_errors(peak_bytes, budget, max_batch):
+    """Remembers every failure to report it later: each error's traceback holds the failed step's tensors."""
+    errors = []
+
+    def fits(b):
+        try:
+            return peak_bytes(b) <= budget
+        except torch.OutOfMemoryError as err:
+            errors.append(err)
+            return False
+
+    lo, hi, b = 0, None, 1
+    while hi is None:
+        if not fits(b):
+            hi = b
+        elif b == max_batch:
+            return b
+        else:
+            lo, b = b, min(2 * b, max_batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def bisect_module_search(peak_bytes, budget, max_batch):
+    """Unusual but right: grow by doubling, then let the standard library bisect (with a memo of the trials)."""
+    import bisect
+
+    seen = {}
+
+    def fails(b):
+        if b not in seen:
+            try:
+                seen[b] = peak_bytes(b) > budget
+            except torch.OutOfMemoryError:
+                seen[b] = True
+        return seen[b]
+
+    b = 1
+    while not fails(b):
+        if b == max_batch:
+            return b
+        b = min(2 * b, max_batch)
+    low = b // 2 if b > 1 else 0  # the last batch that fitted (0: none)
+    return low + bisect.bisect_left(range(low + 1, b + 1), True, key=fails)
+
+
+def knee_of_the_lesson(curve, gain=0.1):
+    """The lesson's definition (90% of the best), not the one the question asks for."""
+    best = curve["samples_per_s"].max()
+    return int(curve.loc[curve["samples_per_s"] >= 0.9 * best, "batch_size"].min())
+
+
+def knee_unsorted(curve, gain=0.1):
+    sizes, rates = curve["batch_size"].tolist(), curve["samples_per_s"].tolist()
+    for i in range(len(sizes) - 1):
+        if rates[i + 1] < (1 + gain) * rates[i]:
+            return sizes[i]
+    return sizes[-1]
+
+
+def knee_one_too_far(curve, gain=0.1):
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    for i in range(len(sizes) - 1):
+        if rates[i + 1] < (1 + gain) * rates[i]:
+            return sizes[i + 1]
+    return sizes[-1]
+
+
+def knee_with_pandas(curve, gain=0.1):
+    """Unusual but right: vectorised, returning a numpy integer."""
+    rows = curve.sort_values("batch_size").reset_index(drop=True)
+    flat = rows["samples_per_s"].shift(-1) < (1 + gain) * rows["samples_per_s"]
+    return rows["batch_size"][flat].iloc[0] if flat.any() else rows["batch_size"].iloc[-1]
+
+
+def accumulate_with_sums(model, x, y, micro_batch):
+    """Unusual but right: sum the losses of each micro-batch, divide by the whole batch."""
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        (F.cross_entropy(model(xb), yb, reduction="sum") / len(x)).backward()
+
+
 def blank_function(*args, **kwargs):
     raise NotImplementedError
 
 
 @pytest.mark.parametrize("question, right", [
     (lesson03.q1, (right_knee, curve())),
+    (lesson03.q1, (knee_with_pandas, curve())),
     (lesson03.q2, (right_accumulation,)),
+    (lesson03.q2, (accumulate_with_sums,)),
     (lesson03.q3, (right_search,)),
+    (lesson03.q3, (bisect_module_search,)),
     (lesson03.q4, (0.4,)),
+    (lesson03.q4, (torch.tensor(0.05) * 8,)),
 ])
 def test_right_answers_pass(question, right):
     question.check(*right)
@@ -361,6 +468,9 @@ def test_right_answers_pass(question, right):
     (lesson03.q1, (lambda c, gain=0.1: int(c.batch_size[c.samples_per_s.idxmax()]), curve()), "peaks"),
     (lesson03.q1, (lambda c, gain=0.1: right_knee(c, gain) * 2, curve()), "the knee is batch"),
     (lesson03.q1, (right_knee, "not a frame"), "DataFrame"),
+    (lesson03.q1, (knee_of_the_lesson, curve()), "the lesson's knee"),
+    (lesson03.q1, (knee_unsorted, curve()), "sort them by batch size"),
+    (lesson03.q1, (knee_one_too_far, curve()), "the batch after the knee"),
     (lesson03.q2, (divide_by_k,), "share of the batch"),
     (lesson03.q2, (unscaled,), "too large"),
     (lesson03.q2, (zero_inside,), "without clearing"),
@@ -370,8 +480,14 @@ def test_right_answers_pass(question, right):
     (lesson03.q3, (linear_search,), "measurements"),
     (lesson03.q3, (unguarded_search,), "called with"),
     (lesson03.q3, (strictly_below,), "largest batch"),
+    (lesson03.q3, (except_exception,), "Catch only `torch.OutOfMemoryError`"),
+    (lesson03.q3, (except_runtime_error,), "Catch only `torch.OutOfMemoryError`"),
+    (lesson03.q3, (keeps_the_errors,), "still alive"),
     (lesson03.q4, (0.05,), "effective batch"),
-    (lesson03.q4, (0.05 * 64,), "learning rate"),
+    (lesson03.q4, (0.05 * 64,), "not the micro-batch size"),
+    (lesson03.q4, (0.05 * 8**0.5,), "square-root rule"),
+    (lesson03.q4, (0.05 / 8,), "not down"),
+    (lesson03.q4, (0.3,), "learning rate"),
 ])
 def test_plausible_wrong_answers_are_rejected(question, wrong, says):
     question.check(*wrong)

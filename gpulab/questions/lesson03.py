@@ -2,6 +2,7 @@
 and the learning-rate scaling rule."""
 
 import math
+import weakref
 
 import pandas as pd
 import torch
@@ -31,6 +32,7 @@ _SATURATING = _curve({b: 1000 * b / (b + 32) for b in (1, 2, 4, 8, 16, 32, 64, 1
 _KNEE_CASES = [  # (curve, gain)
     (_SATURATING, 0.1),
     (_SATURATING.sample(frac=1, random_state=0), 0.1),  # rows in any order
+    (_SATURATING[::-1], 0.1),  # largest batch first
     (_SATURATING, 0.5),
     (_curve({1: 100, 2: 180, 4: 185, 8: 300, 16: 310}), 0.1),  # a dip: the first flat step is the knee
     (_curve({1: 10, 2: 20, 4: 40, 8: 80}), 0.1),  # not saturated yet: the largest batch measured
@@ -42,18 +44,52 @@ def _check_knee(knee, curve) -> str:
         raise Wrong(f"pass your function itself, `q1.check(knee, curve)`, not {type(knee).__name__}")
     if not isinstance(curve, pd.DataFrame) or not {"batch_size", "samples_per_s"} <= set(curve.columns):
         raise Wrong("pass the measured curve as the second argument: a DataFrame with batch_size and samples_per_s")
-    for case, gain in _KNEE_CASES:
-        expected, got = knee_by_gain(case, gain), knee(case.copy(), gain=gain)
+    answers = [knee(case.copy(), gain=gain) for case, gain in _KNEE_CASES]
+    for (case, gain), got in zip(_KNEE_CASES, answers):
+        expected = knee_by_gain(case, gain)
         if got != expected:
             points = ", ".join(f"{b}: {r:.0f}" for b, r in sorted(zip(case.batch_size, case.samples_per_s)))
-            hint = " That is where throughput peaks, not where it stops growing." if got == case.batch_size[
-                case.samples_per_s.idxmax()] else ""
             raise Wrong(f"for the curve {{{points}}} (batch: samples/s) with gain={gain}, the knee is batch "
-                        f"{expected}; your function returned {got}.{hint}")
+                        f"{expected}; your function returned {got}.{_knee_hint(answers)}")
     mine = knee(curve.copy())
     if mine != knee_by_gain(curve):
         raise Wrong(f"on your measured curve the knee is batch {knee_by_gain(curve)}, your function returned {mine}")
     return f"the knee of your measured curve is at batch {mine}."
+
+
+def _in_given_order(curve: pd.DataFrame, gain: float) -> int:
+    sizes, rates = curve["batch_size"].tolist(), curve["samples_per_s"].tolist()
+    return next((sizes[i] for i in range(len(sizes) - 1) if rates[i + 1] < (1 + gain) * rates[i]), sizes[-1])
+
+
+def _one_too_far(curve: pd.DataFrame, gain: float) -> int:
+    sizes = sorted(curve["batch_size"])
+    knee = knee_by_gain(curve, gain)
+    return sizes[min(sizes.index(knee) + 1, len(sizes) - 1)]
+
+
+def _ninety_percent(curve: pd.DataFrame, gain: float) -> int:
+    return int(curve.loc[curve["samples_per_s"] >= 0.9 * curve["samples_per_s"].max(), "batch_size"].min())
+
+
+def _peak(curve: pd.DataFrame, gain: float) -> int:
+    return int(curve["batch_size"][curve["samples_per_s"].idxmax()])
+
+
+_KNEE_MISTAKES = (  # what a wrong knee function may have done, recognised by its answers on every case
+    (_in_given_order, " Some curves come with their rows in any order: sort them by batch size first."),
+    (_one_too_far, " That is the batch after the knee: return the batch *before* the step that gains too little."),
+    (_ninety_percent, " That is the lesson's knee (the first batch reaching 90% of the best throughput); this question "
+                      "asks for the first batch after which the *next* one gains less than `gain`."),
+    (_peak, " That is where throughput peaks, not where it stops growing."),
+)
+
+
+def _knee_hint(answers: list) -> str:
+    for mistake, hint in _KNEE_MISTAKES:
+        if all(got == mistake(case, gain) for (case, gain), got in zip(_KNEE_CASES, answers)):
+            return hint
+    return ""
 
 
 # ----- q2: gradient accumulation that matches one large batch ---------------------------------------
@@ -115,7 +151,7 @@ def _check_search(largest_batch) -> str:
     cases = [  # (description, peak_bytes(b), budget, max_batch, answer)
         ("1 kB + 300 B per sample", lambda b: 1000 + 300 * b, 100_000, 4096, 330),
         ("1 kB + 300 B per sample, max_batch=200", lambda b: 1000 + 300 * b, 100_000, 200, 200),
-        ("a card that runs out of memory above batch 77", _card(77), 10**12, 4096, 77),
+        ("a card that runs out of memory above batch 77", _Card(77), 10**12, 4096, 77),
         ("a model that needs more than the budget even at batch 1", lambda b: 10_000 + b, 5_000, 1024, 0),
         ("max_batch=1", lambda b: b, 100, 1, 1),
     ]
@@ -126,6 +162,8 @@ def _check_search(largest_batch) -> str:
             calls.append(batch_size)
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= max_batch:
                 raise ValueError(f"batch sizes are whole numbers from 1 to max_batch={max_batch}")
+            if isinstance(peak, _Card) and peak.held():
+                raise _StillHeld
             return peak(batch_size)
 
         try:
@@ -133,6 +171,10 @@ def _check_search(largest_batch) -> str:
         except torch.OutOfMemoryError:
             raise Wrong(f"({what}) your search let torch.OutOfMemoryError escape: catch it, a batch that does not "
                         "fit on the card counts as a failure") from None
+        except _StillHeld:
+            raise Wrong(f"({what}) a trial started while the tensors of a failed one were still alive: something kept "
+                        "the out-of-memory error, whose traceback holds the failed step's tensors. Catch it and let "
+                        "it go (no `errors.append(err)`, no `last_error = err`)") from None
         except ValueError:
             if not _bad_calls(calls, max_batch):
                 raise
@@ -149,28 +191,78 @@ def _check_search(largest_batch) -> str:
         if len(calls) > limit:
             raise Wrong(f"({what}) your search needed {len(calls)} measurements; doubling then bisecting needs at "
                         f"most {limit} for max_batch={max_batch}")
-    return "your search finds the exact largest batch within the budget, stops at max_batch and survives OOM."
+    _check_bug_surfaces(largest_batch)
+    return ("your search finds the exact largest batch within the budget, stops at max_batch, survives OOM, lets "
+            "the failed step's memory go, and lets a bug surface.")
+
+
+class _ModelBug(RuntimeError):
+    """A step that fails for a reason other than memory (a shape error from batch 64 on)."""
+
+
+class _StillHeld(Exception):
+    """Raised by the check's peak_bytes when a failed trial's tensors are still alive."""
+
+
+def _check_bug_surfaces(largest_batch) -> None:
+    bug = _ModelBug("mat1 and mat2 shapes cannot be multiplied (64x3072 and 100x64)")
+
+    def peak_bytes(batch_size):
+        if batch_size >= 64:
+            raise bug
+        return 1000 + 300 * batch_size
+
+    try:
+        got = largest_batch(peak_bytes, 100_000, 4096)
+    except RuntimeError as err:
+        if err is bug or bug in (err.__cause__, err.__context__):
+            return
+        raise
+    raise Wrong(f"(a step with a bug from batch 64 on: RuntimeError: {bug}) your search returned {got!r} instead of "
+                "letting the error through. Catch only `torch.OutOfMemoryError`: `except RuntimeError` or `except "
+                "Exception` turns a broken model into a \"batch too large\"")
 
 
 def _bad_calls(calls: list, max_batch: int) -> list:
     return [b for b in calls if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch]
 
 
-def _card(largest: int):
-    def peak(batch_size):
-        if batch_size > largest:
-            raise torch.OutOfMemoryError(f"emulated card: batch {batch_size} does not fit")
+class _Card:
+    """An emulated card that runs out of memory above ``largest``; a failed step holds a tensor until it is freed."""
+
+    def __init__(self, largest: int):
+        self.largest = largest
+        self.failed: list[weakref.ref] = []
+
+    def __call__(self, batch_size: int) -> int:
+        if batch_size > self.largest:
+            activations = torch.empty(1000 * batch_size, dtype=torch.uint8)  # alive in the error's traceback
+            self.failed.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError(f"emulated card: batch {batch_size} does not fit ({activations.nbytes} B)")
         return 1000 * batch_size
-    return peak
+
+    def held(self) -> bool:
+        return any(ref() is not None for ref in self.failed)
 
 
 # ----- q4: the learning-rate scaling rule with accumulation -----------------------------------------
 
 
 def _check_lr(lr) -> str:
-    if isinstance(lr, (int, float)) and math.isclose(lr, 0.05):
-        raise Wrong("that is the micro-batch's learning rate: with 8 accumulated micro-batches per optimizer step "
-                    "the effective batch is 8 × 64 = 512, so the rule scales the learning rate by 8")
+    value = float(lr) if hasattr(lr, "__float__") and not isinstance(lr, bool) else None
+    known = {  # plausible wrong answers, and what each one did
+        0.05: "that is the micro-batch's learning rate: with 8 accumulated micro-batches per optimizer step the "
+              "effective batch is 8 × 64 = 512, so the rule scales the learning rate by 8",
+        0.05 / 8: "the learning rate goes up with the effective batch, not down: 8 micro-batches of 64 make a batch "
+                  "of 512, 8× larger",
+        0.05 * 8**0.5: "that is the square-root rule (a starting point for Adam); the linear scaling rule for SGD "
+                       "multiplies by the factor itself, 8",
+        0.05 * 64: "the factor is how much the batch grew (512 / 64 = 8), not the micro-batch size",
+        0.05 * 512: "the factor is how much the batch grew (512 / 64 = 8), not the effective batch size",
+    }
+    for wrong, why in known.items():
+        if value is not None and math.isclose(value, wrong, rel_tol=0.01):
+            raise Wrong(why)
     return expect_close(lr, 0.05 * 8, rel=0.01, what="the learning rate")
 
 
