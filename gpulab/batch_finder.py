@@ -6,22 +6,20 @@ and the first that failed. After a failure it drops the error (whose traceback h
 tensors), collects garbage and empties the CUDA cache, so allocated memory returns to where it started.
 
 A memory budget stops the search below the card's size, for shared GPUs, and makes the search work on
-the CPU: there is no allocator to run out of there, so a ``MemoryTracker`` counts the bytes of the
+the CPU: there is no allocator to run out of there, so a ``gpulab.memory.MemoryTracker`` counts the bytes of the
 tensors a step creates and raises ``BudgetExceeded`` (an out-of-memory error) when they pass the budget.
 """
 
 import gc
 import math
 import time
-import weakref
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .device import get_device
+from .memory import BudgetExceeded, MemoryTracker
 
 FITS, OUT_OF_MEMORY, OVER_BUDGET = "fits", "out of memory", "over budget"
 
@@ -34,59 +32,11 @@ OOM_MESSAGES = (
 )
 
 
-class BudgetExceeded(torch.OutOfMemoryError):
-    """A step needed more memory than the budget allows: out of memory on an emulated, smaller card."""
-
-
 def is_out_of_memory(err: BaseException) -> bool:
     """True when ``err`` means "not enough memory" (as opposed to a bug in the step)."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
-
-
-class MemoryTracker(TorchDispatchMode):
-    """Counts the bytes of tensors created inside ``with tracker:`` that are still alive.
-
-    ``current`` is what is alive now, ``peak`` the most that was alive at once. Every operator that
-    returns new memory (not a view, not an in-place result) is counted, on any device; a weak
-    reference to its storage subtracts the bytes when the tensor is freed, even after the block.
-    With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
-    """
-
-    def __init__(self, budget: float | None = None):
-        super().__init__()
-        self.budget = budget
-        self.current = 0
-        self.peak = 0
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        results = (out,) if len(returns) == 1 else (out or ())  # one result (maybe a list), several, or none
-        for schema, result in zip(returns, results):
-            if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
-                for tensor in tree_leaves(result):
-                    if isinstance(tensor, torch.Tensor):
-                        self._count(tensor.untyped_storage())
-        if self.budget is not None and self.current > self.budget:
-            raise BudgetExceeded(
-                f"a step needed {_mib(self.current)} of tensors, more than the budget of {_mib(self.budget)}"
-            )
-        return out
-
-    def _count(self, storage) -> None:
-        nbytes = storage.nbytes()
-        if nbytes:
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(storage, self._free, nbytes)
-
-    def _free(self, nbytes: int) -> None:
-        self.current -= nbytes
 
 
 @dataclass(frozen=True)

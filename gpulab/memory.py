@@ -1,0 +1,236 @@
+"""Where the memory of a step goes: byte accounting on any device, and allocation timelines drawn offline.
+
+On a GPU, PyTorch's caching allocator counts every byte (``torch.cuda.memory_allocated`` and friends).
+A CPU has no such statistics, so ``MemoryTracker`` counts them itself: a dispatch mode that sees every
+operator, adds the bytes of each new tensor and subtracts them when the tensor is freed. With a budget it
+raises ``BudgetExceeded`` (an out-of-memory error): an emulated, smaller card.
+
+``snapshot_timeline`` turns a snapshot written by ``torch.cuda.memory._dump_snapshot`` into the same kind
+of timeline as ``MemoryTracker.timeline()``, so ``gpulab.plots.memory_timeline`` draws either without a
+browser or internet (pytorch.org/memory_viz needs both).
+"""
+
+import os
+import pickle
+import weakref
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import nvml
+from .device import get_device
+
+TIMELINE_COLUMNS = ["event", "phase", "action", "op", "bytes", "allocated"]
+
+
+class BudgetExceeded(torch.OutOfMemoryError):
+    """A step needed more memory than the budget allows: out of memory on an emulated, smaller card."""
+
+
+class TrackerError(RuntimeError):
+    """A MemoryTracker was used in a way that cannot work; the message says what to do."""
+
+
+class SnapshotError(ValueError):
+    """A memory snapshot file is missing or is not a snapshot; the message says what to do."""
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts the bytes of tensors created inside ``with tracker:`` that are still alive.
+
+    ``current`` is what is alive now, ``peak`` the most that was alive at once. Every operator that
+    returns new memory (not a view, not an in-place result) is counted, on any device; a weak
+    reference to its storage subtracts the bytes when the tensor is freed, even after the block.
+    With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
+    With ``record=True`` it also keeps every allocation and free, for ``timeline()``; ``mark("phase")``
+    names the part of the step that follows.
+    """
+
+    def __init__(self, budget: float | None = None, *, record: bool = False):
+        super().__init__()
+        self.budget = budget
+        self.record = record
+        self.current = 0
+        self.peak = 0
+        self._phase = ""
+        self._events: list[tuple[str, str, str, int, int]] = []  # phase, action, op, bytes, allocated after
+        self._depth = 0
+
+    def __enter__(self):
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self._depth -= 1
+        return super().__exit__(exc_type, exc_val, exc_tb)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def mark(self, phase: str) -> None:
+        """Name what follows (``"forward"``, ``"backward"``, ...) in the timeline."""
+        if not self._depth:
+            raise TrackerError(f"mark({phase!r}) outside the tracker: call it inside `with tracker:`, where the step runs")
+        self._phase = str(phase)
+        self._log("mark", "", 0)
+
+    def timeline(self) -> pd.DataFrame:
+        """One row per allocation, free and mark: the phase, the operator, its bytes and the bytes alive after it."""
+        if not self.record:
+            raise TrackerError("this tracker keeps no timeline: create it with MemoryTracker(record=True)")
+        if not self._events:
+            raise TrackerError("the tracker has recorded nothing yet: run the step inside `with tracker:` first")
+        frame = pd.DataFrame(self._events, columns=TIMELINE_COLUMNS[1:])
+        return frame.rename_axis("event").reset_index()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        results = (out,) if len(returns) == 1 else (out or ())  # one result (maybe a list), several, or none
+        for schema, result in zip(returns, results):
+            if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
+                for tensor in tree_leaves(result):
+                    if isinstance(tensor, torch.Tensor):
+                        self._count(tensor.untyped_storage(), func)
+        if self.budget is not None and self.current > self.budget:
+            raise BudgetExceeded(
+                f"a step needed {mib(self.current)} of tensors, more than the budget of {mib(self.budget)}"
+            )
+        return out
+
+    def _count(self, storage, func) -> None:
+        nbytes = storage.nbytes()
+        if nbytes:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            self._log("alloc", func.overloadpacket.__name__, nbytes)
+            weakref.finalize(storage, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.current -= nbytes
+        self._log("free", "", nbytes)
+
+    def _log(self, action: str, op: str, nbytes: int) -> None:
+        if self.record:
+            self._events.append((self._phase, action, op, nbytes, self.current))
+
+
+# ----- snapshots of the CUDA caching allocator --------------------------------------------------------
+
+# How each documented trace action changes the bytes allocated (handed to tensors) and reserved (cudaMalloc'd).
+_ALLOCATED = {"alloc": 1, "free_completed": -1}
+_RESERVED = {"segment_alloc": 1, "segment_free": -1, "segment_map": 1, "segment_unmap": -1}
+
+
+def record_history(max_entries: int = 100_000, device=None) -> bool:
+    """Start recording the CUDA allocator's history: ``torch.cuda.memory._record_memory_history(max_entries=...)``.
+
+    True when recording started. Where there is no CUDA device (torch raises there) it says so and returns
+    False, so a lesson carries on. Stop with ``torch.cuda.memory._record_memory_history(enabled=None)``.
+    """
+    device = get_device(device)
+    if device.type != "cuda":
+        print("No CUDA device here: only the CUDA caching allocator records a memory history. Carrying on without one.")
+        return False
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    except RuntimeError as err:  # e.g. an allocator backend that keeps no history (cudaMallocAsync)
+        print(f"This allocator cannot record a memory history ({err}). Carrying on without one.")
+        return False
+    return True
+
+
+def load_snapshot(path: str | Path) -> dict:
+    """The snapshot that ``torch.cuda.memory._dump_snapshot(path)`` wrote. It is a pickle, and unpickling
+    runs code: load only snapshots you (or someone you trust) recorded."""
+    path = Path(path)
+    if not path.is_file():
+        raise SnapshotError(f"no snapshot at {path}: on a GPU, torch.cuda.memory._dump_snapshot({str(path)!r}) writes one")
+    try:
+        with path.open("rb") as f:
+            snapshot = pickle.load(f)
+    except Exception as err:  # a file that is not a pickle fails in many ways (EOFError, UnpicklingError, ...)
+        raise SnapshotError(f"{path} is not a memory snapshot ({type(err).__name__}): pass the file that "
+                            "torch.cuda.memory._dump_snapshot wrote") from None
+    _device_traces(snapshot, path)
+    return snapshot
+
+
+def snapshot_timeline(snapshot: dict, device: int = 0) -> pd.DataFrame:
+    """The allocator's history on ``device`` as a timeline: one row per trace entry, with the bytes allocated
+    and reserved after it (``MemoryTracker.timeline()``'s columns, plus ``reserved``).
+
+    The trace keeps only the last ``max_entries`` events, so the totals start from the state before the first
+    event kept: the state at the snapshot (its segments) minus every change the trace records.
+    """
+    traces = _device_traces(snapshot)
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(traces):
+        raise SnapshotError(f"device must be one of the snapshot's devices, 0 to {len(traces) - 1}; got {device!r}")
+    entries = traces[device]
+    segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
+    allocated = sum(s.get("allocated_size", 0) for s in segments)
+    reserved = sum(s.get("total_size", 0) for s in segments)
+    allocated -= sum(_ALLOCATED.get(e["action"], 0) * e.get("size", 0) for e in entries)
+    reserved -= sum(_RESERVED.get(e["action"], 0) * e.get("size", 0) for e in entries)
+    rows = []
+    for event, entry in enumerate(entries):
+        size = entry.get("size", 0)
+        allocated += _ALLOCATED.get(entry["action"], 0) * size
+        reserved += _RESERVED.get(entry["action"], 0) * size
+        frames = entry.get("frames") or [{}]
+        rows.append((event, "", entry["action"], frames[0].get("name", ""), size, allocated, reserved))
+    return pd.DataFrame(rows, columns=[*TIMELINE_COLUMNS, "reserved"])
+
+
+def _device_traces(snapshot, path: Path | None = None) -> list:
+    where = f"{path} is" if path else "that is"
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("device_traces"), list):
+        raise SnapshotError(f"{where} not a memory snapshot (no device_traces): pass what "
+                            "torch.cuda.memory._snapshot() returns or _dump_snapshot wrote")
+    if not all(isinstance(t, list) and all(isinstance(e, dict) and "action" in e for e in t)
+               for t in snapshot["device_traces"]):
+        raise SnapshotError(f"{where} not a memory snapshot (its device_traces are not lists of trace entries)")
+    if not any(snapshot["device_traces"]):
+        raise SnapshotError(f"{where} a snapshot without a history: call torch.cuda.memory._record_memory_history() "
+                            "before the code you want to see, then dump the snapshot")
+    return snapshot["device_traces"]
+
+
+# ----- memory outside PyTorch's allocator ---------------------------------------------------------------
+
+
+def outside_allocator(device=None) -> tuple[int, str] | None:
+    """Bytes of GPU memory this process uses that PyTorch's allocator does not count (the CUDA context,
+    libraries' own buffers), and how that was measured; None where there is no CUDA device.
+
+    NVML's count for this process minus ``torch.cuda.memory_reserved``. Where NVML does not list this
+    process (in a container it sees other process ids), the whole device's used memory instead, which also
+    counts other processes: the text says which.
+    """
+    device = get_device(device)
+    if device.type != "cuda":
+        return None
+    reserved = torch.cuda.memory_reserved(device)
+    used = _nvml_process_bytes(device.index)
+    if used is not None:
+        return used - reserved, "NVML's memory of this process minus what PyTorch reserved"
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - reserved, ("the device's used memory (all processes: NVML does not list this one) "
+                                     "minus what PyTorch reserved")
+
+
+def _nvml_process_bytes(index: int) -> int | None:
+    try:
+        with nvml.session() as nv:
+            processes = nvml.query(nv, nv.nvmlDeviceGetComputeRunningProcesses, nvml.handle_for(nv, index), default=[])
+    except nvml.NvmlUnavailable:
+        return None
+    return next((p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory), None)
+
+
+def mib(nbytes: float) -> str:
+    """Bytes as MiB, for messages."""
+    return f"{nbytes / 2**20:,.1f} MiB"
