@@ -1,9 +1,13 @@
 """The few figure kinds the course uses, in one style."""
 
+import math
 from contextlib import contextmanager
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import ScalarFormatter
+from matplotlib import rcParams
+from matplotlib.font_manager import FontProperties
+from matplotlib.ticker import EngFormatter, Formatter, Locator, MaxNLocator, NullFormatter
+from matplotlib.transforms import Bbox
 
 STYLE = {
     "figure.figsize": (7, 4),
@@ -71,9 +75,9 @@ def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, l
             group = group.sort_values(x)
             ax.plot(group[x], group[y], marker="o", label=str(name), **plot_kwargs)
         if logx:
-            _log_x(ax, frame[x])
+            log_scale(ax, "x", base=2 if frame[x].max() / frame[x].min() <= 2**12 else 10)
         if logy:
-            ax.set_yscale("log")
+            log_scale(ax, "y")
         ax.set_xlabel(xlabel or x)
         ax.set_ylabel(ylabel or y)
         ax.set_title(title)
@@ -82,13 +86,98 @@ def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, l
     return ax
 
 
-def _log_x(ax, values):
-    """Powers of two written out (16, 32, 64, ...) over narrow ranges, powers of ten over wide ones."""
-    if values.max() / values.min() <= 2**12:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-    else:
-        ax.set_xscale("log")
+def log_scale(ax, axis: str = "x", *, base: int = 10):
+    """A log scale on ``ax``'s ``axis`` ("x" or "y") whose ticks read like numbers: 1, 2, 5, 10, 100, 1k, 20µ
+    (powers of two written out with ``base=2``), never 5.6×10⁻¹, and only as many labels as fit side by side.
+
+    Use it instead of ``ax.set_xscale("log")``, which brings back matplotlib's own labels.
+    """
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(ReadableLogLocator(base))
+    target.set_major_formatter(ReadableFormatter(base))
+    target.set_minor_formatter(NullFormatter())
+    return ax
+
+
+def tick_label(value: float, base: int = 10) -> str:
+    """A log axis' tick label: 0.5, 2, 50 as they are; 1k, 20M, 500µ, 2n in engineering notation.
+
+    With ``base=2``, whole numbers below a million are written out (1024, 4096), as powers of two are.
+    """
+    if value <= 0:
+        return f"{value:g}"
+    if 1e-3 <= value < 1e3 or (base == 2 and value < 1e6 and float(value).is_integer()):
+        return f"{value:.6g}"
+    return _ENG(value)
+
+
+_ENG = EngFormatter(sep="")
+
+
+class ReadableFormatter(Formatter):
+    """Major tick labels of a log axis, by ``tick_label``."""
+
+    def __init__(self, base: int = 10):
+        self.base = base
+
+    def __call__(self, value, pos=None):
+        return tick_label(value, self.base)
+
+
+class ReadableLogLocator(Locator):
+    """Ticks of a log axis at the densest of these whose labels fit side by side: 1-2-5 steps (1, 2, 5, 10, 20,
+    ...), 1-3 steps (1, 3, 10, 30) where fewer than three powers are in view, every power of the base, every
+    2nd, 3rd, ... power. Over a range too narrow for two such ticks, the multiples in between (3, 4, 6, ...),
+    or evenly spaced values."""
+
+    def __init__(self, base: int = 10):
+        self.base = base
+
+    def __call__(self):
+        return self.tick_values(*self.axis.get_view_interval())
+
+    def tick_values(self, vmin, vmax):
+        vmin, vmax = sorted((vmin, vmax))
+        if not (vmin > 0 and math.isfinite(vmax)):
+            return []
+        low, high = math.floor(math.log(vmin, self.base)) - 1, math.ceil(math.log(vmax, self.base)) + 1
+        powers = [float(self.base) ** k for k in range(low, high + 1)]
+        steps = [p * m for p in powers for m in ((1, 2, 5) if self.base == 10 else (1,))]
+        if len(_within(steps, vmin, vmax)) < 2:  # a narrow range
+            between = [p * m for p in powers for m in range(1, self.base)]
+            if len(_within(between, vmin, vmax)) < 2:
+                return MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(vmin, vmax)
+            return between if self._fit(between, vmin, vmax) else between[::2]
+        if self._fit(steps, vmin, vmax):
+            return steps
+        thirds = [p * m for p in powers for m in (1, 3)]  # 1, 3, 10, 30: evenly spaced, half a power apart
+        if self.base == 10 and len(_within(powers, vmin, vmax)) < 3 and self._fit(thirds, vmin, vmax):
+            return thirds
+        every = 1  # every n-th power: those whose exponent is a multiple of n, wherever the range starts
+        while not self._fit(ticks := powers[-low % every::every], vmin, vmax):
+            every += 1
+        return ticks
+
+    def _fit(self, ticks, vmin, vmax) -> bool:
+        """Whether the labels of ``ticks`` would stand apart on this axis (True when no axis is attached)."""
+        ticks = _within(ticks, vmin, vmax)
+        if self.axis is None or len(ticks) < 2:
+            return True
+        name = self.axis.axis_name
+        size = FontProperties(size=rcParams[f"{name}tick.labelsize"]).get_size_in_points()
+        box = Bbox.unit().transformed(self.axis.axes.transAxes - self.axis.get_figure(root=False).dpi_scale_trans)
+        if name == "x":  # a label is about 0.65 em per character wide; leave 1.2 em between labels
+            length, needed = box.width * 72, size * (0.65 * max(len(tick_label(t, self.base)) for t in ticks) + 1.2)
+        else:  # a label is about 1.2 em high; leave as much between labels
+            length, needed = box.height * 72, size * 2.4
+        log = [math.log(t, self.base) for t in ticks]
+        closest = min(b - a for a, b in zip(log, log[1:]))  # 1-2-5 steps are uneven: the tightest pair counts
+        return closest / math.log(vmax / vmin, self.base) * length >= needed
+
+
+def _within(ticks, vmin, vmax):
+    return [t for t in ticks if vmin * (1 - 1e-9) <= t <= vmax * (1 + 1e-9)]
 
 
 def overlay_reference(ax, reference, x: str, y: str, *, by: str | None = None):
@@ -194,29 +283,32 @@ def roofline(frame, *, peaks: dict | None = None, datasheet: dict | None = None,
             group = group.sort_values(x)
             (line,) = ax.plot(group[x], group[y], marker="o", label=str(name))
             colors[name] = line.get_color()
-        roofs = []
+        roofs, lo, hi = [], frame[x].min(), frame[x].max()  # every roof spans the data's intensities only
         for values, linestyle in ((peaks or {}, "--"), (datasheet or {}, ":")):
             for name, value in values.items():
                 if value and value == value:  # skip None and NaN
-                    ax.axhline(value, color=colors.get(name, "gray"), linestyle=linestyle, linewidth=1.2)
+                    ax.plot([lo, hi], [value, value], color=colors.get(name, "gray"), linestyle=linestyle,
+                            linewidth=1.2, label="_roof")
                     roofs.append(value)
         handles, _ = ax.get_legend_handles_labels()
         if bandwidth_gbs and bandwidth_gbs == bandwidth_gbs:
             top = max(roofs + [frame[y].max()])
-            lo, hi = frame[x].min() / 2, min(frame[x].max() * 2, top * 1e3 / bandwidth_gbs)
-            xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
-            ys = [bandwidth_gbs * v / 1e3 for v in xs]  # GB/s × FLOP/byte = GFLOP/s; /1e3 → TFLOP/s
-            (memory,) = ax.plot(xs, ys, color="black", linestyle="-.", linewidth=1,
-                                label=f"memory roof ({bandwidth_gbs:,.0f} GB/s copy)")
-            handles.append(memory)
+            hi = min(hi, top * 1e3 / bandwidth_gbs)  # the slope ends where it meets the highest roof
+            if hi > lo:
+                xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
+                ys = [bandwidth_gbs * v / 1e3 for v in xs]  # GB/s × FLOP/byte = GFLOP/s; /1e3 → TFLOP/s
+                (memory,) = ax.plot(xs, ys, color="black", linestyle="-.", linewidth=1,
+                                    label=f"memory roof ({bandwidth_gbs:,.0f} GB/s copy)")
+                handles.append(memory)
         if peaks:
             handles.append(Line2D([], [], color="gray", linestyle="--", label="measured peak (fastest matmul)"))
         if datasheet and any(v and v == v for v in datasheet.values()):
             handles.append(Line2D([], [], color="gray", linestyle=":", label="datasheet peak (vendor)"))
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        log_scale(ax, "x")
+        log_scale(ax, "y")
         ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
         ax.set_ylabel("TFLOP/s")
         ax.set_title(title)
         ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return ax
+

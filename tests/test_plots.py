@@ -58,3 +58,98 @@ def test_reference_overlay_of_nothing_draws_nothing(capsys):
     ax = plots.curves(pd.DataFrame({"n": [1, 2], "t": [1, 2]}), "n", "t", title="T")
     plots.overlay_reference(ax, ref, "n", "t")
     assert len(ax.get_lines()) == 1 and ax.get_title() == "T"
+
+
+# ---- log axes read like numbers ----------------------------------------------------------------------------------
+
+import re  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+PLAIN = re.compile(r"^\d+(\.\d+)?[kMGTPfpnµ]?$")  # 0.5, 2, 4096, 1k, 20µ: never 5.6×10⁻¹ or 1e+03
+RANGES = {  # (x values, y values) of a curve
+    "narrow (base 2)": ([16, 32, 64, 128, 256, 512], [0.52, 0.6, 0.7, 0.8, 0.85, 0.9]),
+    "wide": ([1e3, 1e5, 1e7, 1e9], [1e-6, 1e-4, 1e-2, 1e-1]),
+    "within one decade": ([3.1, 3.5, 4.2], [310, 330, 390]),
+    "twelve doublings": ([2**8, 2**14, 2**20], [1e-5, 1e-3, 1e2]),
+    "twenty decades": ([1e-9, 1e11], [1e-12, 1e12]),
+}
+
+
+def _shown_labels(axis):
+    """The tick labels drawn on ``axis`` (inside its view, not empty), left to right or bottom to top."""
+    lo, hi = sorted(axis.get_view_interval())
+    return [t.label1 for t in axis.get_major_ticks() if lo <= t.get_loc() <= hi and t.label1.get_text()]
+
+
+def _assert_readable(ax):
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() != "log":
+            continue
+        labels = _shown_labels(axis)
+        texts = [label.get_text() for label in labels]
+        assert len(labels) >= 2, f"{axis.axis_name}: {texts}"
+        assert all(PLAIN.match(text) for text in texts), texts
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:])), f"{axis.axis_name} labels overlap: {texts}"
+
+
+def _figure(width):
+    with plots.style():
+        return plt.subplots(1, 3, figsize=(7, 3))[1][0] if width == "a third" else plt.figure().add_subplot()
+
+
+@pytest.mark.parametrize("width", ["full", "a third"])
+@pytest.mark.parametrize("case", RANGES)
+def test_curves_log_axes_read_like_numbers_and_do_not_overlap(case, width):
+    xs, ys = RANGES[case]
+    ax = plots.curves(pd.DataFrame({"x": xs, "y": ys}), "x", "y", ax=_figure(width))
+    _assert_readable(ax)
+    plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("width", ["full", "a third"])
+@pytest.mark.parametrize("case", RANGES)
+def test_log_scale_on_a_learners_own_axis(case, width):
+    xs, ys = RANGES[case]
+    ax = _figure(width)
+    ax.scatter(xs, ys)
+    plots.log_scale(ax, "x")
+    plots.log_scale(ax, "y")
+    _assert_readable(ax)
+    plt.close(ax.figure)
+
+
+def test_matplotlibs_own_log_labels_are_what_this_replaces():
+    """The check above can fail: matplotlib's default labels over a narrow range are 3×10⁰ and the like."""
+    ax = _figure("full")
+    ax.scatter(*RANGES["within one decade"])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.figure.canvas.draw()
+    texts = [t.label1.get_text() for axis in (ax.xaxis, ax.yaxis) for t in axis.get_minor_ticks() + axis.get_major_ticks()
+             if min(axis.get_view_interval()) <= t.get_loc() <= max(axis.get_view_interval()) and t.label1.get_text()]
+    assert texts and not all(PLAIN.match(text) for text in texts), texts
+    plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("value, base, text", [
+    (0.5, 10, "0.5"), (2, 10, "2"), (500, 10, "500"), (1000, 10, "1k"), (2e4, 10, "20k"), (1e9, 10, "1G"),
+    (2e-5, 10, "20µ"), (0.001, 10, "0.001"), (4096, 2, "4096"), (0.25, 2, "0.25"), (2**21, 2, "2.09715M"),
+])
+def test_tick_label(value, base, text):
+    assert plots.tick_label(value, base) == text
+
+
+@pytest.mark.parametrize("intensity", [[0.5, 2, 8], [5, 50, 500, 5000], [100, 10_000, 1e6]])
+def test_roofline_roofs_span_the_data_only_and_read_like_numbers(intensity):
+    frame = pd.DataFrame({"precision": "fp32", "intensity": intensity, "tflops": [0.01 * (i + 1) for i in range(len(intensity))]})
+    ax = plots.roofline(frame, peaks={"fp32": 0.05}, datasheet={"fp32": 0.08}, bandwidth_gbs=20)
+    lo, hi = min(intensity), max(intensity)
+    roofs = [line for line in ax.get_lines() if line.get_label() != "fp32"]
+    assert roofs and all(lo <= x <= hi for line in roofs for x in line.get_xdata())
+    _assert_readable(ax)
+    plt.close(ax.figure)
