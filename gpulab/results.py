@@ -85,6 +85,7 @@ class ResultLog:
             iqr_s=measurement.iqr,
             runs=measurement.runs,
             threads=measurement.threads,
+            cache=measurement.cache,
         )
 
     def frame(self) -> pd.DataFrame:

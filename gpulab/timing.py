@@ -1,23 +1,38 @@
-"""Timing that is right on a GPU (synchronised, warmed up, repeated) and on a CPU (fixed thread count)."""
+"""Timing that is right on a GPU (synchronised, warmed up, repeated) and on a CPU (fixed thread count).
 
+Timed the way ``torch.utils.benchmark.Timer`` times: ``timeit`` loops (the garbage collector off while
+they run), a host clock that waits for the GPU, and blocks of back-to-back calls long enough that reading
+the clock costs nothing. ``gpulab bench --timers`` (``gpulab.timers``) shows that the two agree.
+"""
+
+import functools
 import math
+import numbers
 import statistics
 import time
+import timeit
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .device import get_device
+from .device import device_info, get_device
+
+CACHES = ("warm", "cold")
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """Seconds per call of one timed function: one entry of ``times`` per run."""
+    """Seconds per call of one timed function: one entry of ``times`` per run.
+
+    ``cache`` says whether the calls found the caches warm (back-to-back calls) or cold (a flush before each).
+    """
 
     label: str
     times: tuple[float, ...]
     device: str
     threads: int
+    cache: str = "warm"
 
     @property
     def median(self) -> float:
@@ -42,7 +57,7 @@ class Measurement:
     def __repr__(self) -> str:
         return (
             f"<Measurement {self.label}: {_human(self.median)} median, IQR {_human(self.iqr)}, "
-            f"{self.runs} runs on {self.device}, {self.threads} CPU threads>"
+            f"{self.runs} runs on {self.device}, {self.threads} CPU threads, {self.cache} cache>"
         )
 
 
@@ -62,43 +77,44 @@ def bench(
     min_time: float = 0.2,
     threads: int | None = None,
     device: str | torch.device | None = None,
+    cache: str = "warm",
     **kwargs,
 ) -> Measurement:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then timed runs.
 
-    By default it runs for about ``min_time`` seconds, at least 5 runs, and calls ``fn`` several times
-    per run when one call is too short to time alone. With ``repeats=N``: exactly N runs of one call.
-    The clock synchronises the GPU before every reading, so queued work counts.
+    By default it runs for about ``min_time`` seconds, at least 5 runs, and calls ``fn`` back to back
+    several times per run when one call is too short to time alone. With ``repeats=N``: exactly N runs of
+    one call. The clock synchronises the GPU before every reading, so queued work counts.
+
+    ``cache="warm"`` (the default) times calls that follow each other, so data a call just used may still
+    sit in the cache (the GPU's L2, the CPU's caches). ``cache="cold"`` writes a buffer larger than that
+    cache before every call, untimed, then times that one call alone (between CUDA events on a GPU, as
+    ``triton.testing.do_bench`` does): the time of a call whose data comes from memory.
     """
-    if not callable(fn):
-        raise TypeError(
-            f"bench() needs a function to call, got {type(fn).__name__}; "
-            "wrap an expression in a lambda: bench(lambda: a @ b)"
-        )
-    if repeats is not None and (isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0):
-        raise ValueError(f"repeats must be a positive whole number, got {repeats!r}")
-    if warmup < 0 or min_time <= 0:
-        raise ValueError(f"warmup must be >= 0 and min_time > 0, got warmup={warmup!r}, min_time={min_time!r}")
+    _check_arguments(fn, repeats, warmup, min_time, threads, cache)
     device = str(get_device(device))
     threads = threads or torch.get_num_threads()
     label = label or getattr(fn, "__name__", "fn")
-    call = (lambda: fn(*args, **kwargs)) if args or kwargs else fn
+    stmt = "fn(*args, **kwargs)" if args or kwargs else "fn()"
+    timer = timeit.Timer(stmt, timer=synced_clock, globals={"fn": fn, "args": args, "kwargs": kwargs})
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(warmup):
-            call()
-        if repeats is not None:
-            times = [_timed_run(call, 1) for _ in range(repeats)]
+        timer.timeit(warmup)
+        if cache == "cold":
+            call = functools.partial(fn, *args, **kwargs)
+            times = _cold_runs(timer, call, _cache_flush(device), device, repeats, min_time)
+        elif repeats is not None:
+            times = [timer.timeit(1) for _ in range(repeats)]
         else:
-            times = _timed_for(call, min_time)
+            times = _warm_runs(timer, min_time)
     finally:
         torch.set_num_threads(previous)
-    return Measurement(label=label, times=tuple(times), device=device, threads=threads)
+    return Measurement(label=label, times=tuple(times), device=device, threads=threads, cache=cache)
 
 
-MIN_RUNS, MAX_RUNS = 5, 10_000
+MIN_RUNS, MAX_RUNS, RUNS_PER_MIN_TIME = 5, 10_000, 20
 
 
 def synced_clock() -> float:
@@ -108,19 +124,94 @@ def synced_clock() -> float:
     return time.perf_counter()
 
 
-def _timed_run(call, calls: int) -> float:
-    """Seconds per call over ``calls`` back-to-back calls."""
-    start = synced_clock()
-    for _ in range(calls):
-        call()
-    return (synced_clock() - start) / calls
-
-
-def _timed_for(call, min_time: float) -> list[float]:
-    """Runs for ``min_time`` seconds, batching calls so that each run lasts about min_time / 20."""
-    first = _timed_run(call, 1)
-    calls = max(1, min(1_000_000, math.ceil(min_time / 20 / max(first, 1e-9))))
-    times = [first] if calls == 1 else []
-    while len(times) < MAX_RUNS and (len(times) < MIN_RUNS or sum(times) * calls < min_time):
-        times.append(_timed_run(call, calls))
+def _warm_runs(timer: timeit.Timer, min_time: float) -> list[float]:
+    """Seconds per call of runs of back-to-back calls, each run about min_time / 20, for min_time in all."""
+    target = min_time / RUNS_PER_MIN_TIME
+    calls, seconds = 1, timer.timeit(1)
+    while seconds < target / 10:  # grow the block tenfold until it lasts long enough to size the runs
+        calls *= 10
+        seconds = timer.timeit(calls)
+    per_run = max(1, math.ceil(calls * target / seconds))
+    times = [seconds] if calls == per_run == 1 else []  # a slow function's first timed call is a run already
+    while len(times) < MAX_RUNS and (len(times) < MIN_RUNS or sum(times) * per_run < min_time):
+        times.append(timer.timeit(per_run) / per_run)
     return times
+
+
+def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | None, min_time: float) -> list[float]:
+    """One call per run, each after ``flush()``: ``repeats`` runs, or as many as fit in about ``min_time``."""
+    cuda = device.startswith("cuda")
+    times, events, start = [], [], time.perf_counter()
+    for run in range(repeats or MAX_RUNS):
+        if repeats is None and run >= MIN_RUNS and time.perf_counter() - start >= min_time:
+            break
+        flush()
+        if cuda:  # events on the GPU's stream time the call alone, not the flush queued before it
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            call()
+            end.record()
+            events.append((begin, end))
+        else:
+            times.append(timer.timeit(1))
+    if cuda:
+        torch.cuda.synchronize()
+        times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
+    return times
+
+
+def _cache_flush(device: str):
+    """A function that evicts the cache ``bench(cache="cold")`` empties: it writes a buffer twice its size.
+
+    The GPU's L2 (at least 256 MiB written, as triton does), or the CPU's last-level cache (256 MiB where
+    the operating system does not say its size).
+    """
+    if device.startswith("cuda"):
+        l2_mb = device_info(device).l2_cache_mb or 0
+        nbytes = max(256 * 2**20, int(2 * l2_mb * 1e6))
+    else:
+        nbytes = 2 * (cpu_cache_bytes() or 128 * 2**20)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer.zero_
+
+
+def cpu_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache in bytes, from Linux's sysfs (None elsewhere)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=None)
+
+
+def _check_arguments(fn, repeats, warmup, min_time, threads, cache) -> None:
+    """One clear error per argument a user can get wrong, saying what to pass instead."""
+    if not callable(fn):
+        raise TypeError(
+            f"bench() needs a function to call, got {type(fn).__name__}; "
+            "wrap an expression in a lambda: bench(lambda: a @ b)"
+        )
+    if repeats is not None:
+        _whole_number("repeats", repeats, minimum=1, example="repeats=5")
+    _whole_number("warmup", warmup, minimum=0, example="warmup=2")
+    if threads is not None:
+        _whole_number("threads", threads, minimum=1, example="threads=1")
+    if isinstance(min_time, bool) or not isinstance(min_time, numbers.Real):
+        raise TypeError(f"min_time must be a number of seconds such as min_time=0.2, got {type(min_time).__name__} "
+                        f"{min_time!r}")
+    if not (math.isfinite(min_time) and min_time > 0):
+        raise ValueError(f"min_time must be a positive, finite number of seconds such as min_time=0.2, got {min_time!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be 'warm' (calls back to back) or 'cold' (caches flushed before each call), "
+                         f"got {cache!r}")
+
+
+def _whole_number(name: str, value, minimum: int, example: str) -> None:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a whole number such as {example}, got {type(value).__name__} {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive whole number" if minimum == 1 else f"a whole number >= {minimum}"
+        raise ValueError(f"{name} must be {kind} such as {example}, got {value!r}")

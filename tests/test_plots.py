@@ -1,7 +1,11 @@
+import re
+
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
 
 from gpulab import plots  # noqa: E402
 
@@ -61,11 +65,6 @@ def test_reference_overlay_of_nothing_draws_nothing(capsys):
 
 
 # ---- log axes read like numbers ----------------------------------------------------------------------------------
-
-import re  # noqa: E402
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
 
 PLAIN = re.compile(r"^\d+(\.\d+)?[kMGTPfpnµ]?$")  # 0.5, 2, 4096, 1k, 20µ: never 5.6×10⁻¹ or 1e+03
 RANGES = {  # (x values, y values) of a curve
