@@ -33,6 +33,9 @@ COPY_METHODS = frozenset({"to", "cuda", "cpu", "copy_"})
 DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim"})
 _PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+_TO_HOST_WORDS = {"_local_scalar_dense": "a Python number (`.item()`, `float()`, `if tensor`)",
+                  "_to_copy": "a copy to the CPU (`.cpu()`, `.to('cpu')`)",
+                  "copy_": "a copy into a tensor on the host"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,11 @@ class Observed:
     def waits(self) -> int:
         """How many times the host waited (or would wait, on a GPU) for queued work."""
         return len(self.host_reads) + len(self.syncs)
+
+    def to_host_kinds(self) -> str:
+        """The kinds of transfers in ``to_host``, in words (for messages to learners)."""
+        kinds = dict.fromkeys(_TO_HOST_WORDS.get(name, f"`{name}` writing into a host tensor") for name in self.to_host)
+        return "; ".join(kinds)
 
     def blocking_copies(self, target: str | None = None) -> list[Copy]:
         """The copies made without ``non_blocking=True`` (to ``target`` only, when given)."""
@@ -97,7 +105,8 @@ class _Methods(TorchFunctionMode):
         target = _target(name, args, kwargs) if name in COPY_METHODS and args and isinstance(args[0], torch.Tensor) else None
         if target:
             non_blocking = bool(kwargs.get("non_blocking")) or any(a is True for a in args[2:])
-            self.seen.copies.append(Copy(name, target, non_blocking, args[0].device.type))
+            source = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
+            self.seen.copies.append(Copy(name, target, non_blocking, source.device.type))
         return func(*args, **kwargs)
 
 

@@ -21,6 +21,8 @@ from gpulab.monitor import COLUMNS, Monitor  # noqa: E402
 from gpulab.questions.lesson02 import PER_LANE_GBS, q1, q2, q3, q4, slow_loop  # noqa: E402
 from gpulab.transfers import GB, KB, MB, Timeline, human_bytes, sizes, summary, sweep  # noqa: E402
 
+from .conftest import shown_solution  # noqa: E402
+
 # ---------------------------------------------------------------- monitor
 
 
@@ -241,49 +243,165 @@ def test_q1_bandwidth_and_link():
     assert status(q1, lambda n, s: n / s / 2**30, right_link) == WRONG and "GiB" in q1.last.message
     assert status(q1, lambda n, s: n / s, right_link) == WRONG and "bytes/s" in q1.last.message
     assert status(q1, right_bandwidth, lambda g, lanes: PER_LANE_GBS[g]) == WRONG
+    assert status(q1, lambda n, s: n / (s * 1e3) / 1e9, right_link) == WRONG and "seconds" in q1.last.message
+    assert status(q1, lambda n, s: n / 1e9 / s, lambda g, lanes: lanes * PER_LANE_GBS[g]) == CORRECT  # other order
     assert status(q1, ____, right_link) == NOT_ATTEMPTED
 
 
+fast_loop = shown_solution(q2, "fast_loop", torch=torch)
+
+
+def fast_loop_copy_into_empty_like(batches, model, device):
+    """Unusual but right: the copies written as empty_like(..., device=d).copy_(..., non_blocking=True)."""
+    losses = []
+    for x, y in batches:
+        x = torch.empty_like(x, device=device).copy_(x, non_blocking=True)
+        y = torch.empty_like(y, device=device).copy_(y, non_blocking=True)
+        losses.append(torch.nn.functional.mse_loss(model(x), y))
+    return torch.stack(losses).mean().item()
+
+
+def still_reads_every_step(batches, model, device):
+    total = 0.0
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        total += torch.nn.functional.mse_loss(model(x), y).item()
+    return total / len(batches)
+
+
+def synchronizes_every_step(batches, model, device):
+    """Plausible but wrong: a synchronize per step "to be safe" is a wait per step."""
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        total += torch.nn.functional.mse_loss(model(x), y)
+        if device.type != "cpu":
+            torch.cuda.synchronize()
+    return total.item() / len(batches)
+
+
+def sums_into_a_host_tensor(batches, model, device):
+    """Plausible but wrong: the running total lives on the host, so every step brings the loss back."""
+    total = torch.zeros(())
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        total += torch.nn.functional.mse_loss(model(x), y).to("cpu", non_blocking=True)
+    return total.item() / len(batches)
+
+
+def blocking_copies(batches, model, device):
+    losses = [torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)) for x, y in batches]
+    return torch.stack(losses).mean().item()
+
+
+def never_copies(batches, model, device):
+    losses = [torch.nn.functional.mse_loss(model.cpu()(x), y) for x, y in batches]
+    return torch.stack(losses).mean().item()
+
+
 def test_q2_loop_that_waits():
-    def fast_loop(batches, model, device):
-        total = torch.zeros((), device=device)
-        for x, y in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            total += torch.nn.functional.mse_loss(model(x), y).detach()
-        return total.item() / len(batches)
-
-    def still_reads_every_step(batches, model, device):
-        total = 0.0
-        for x, y in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            total += torch.nn.functional.mse_loss(model(x), y).item()
-        return total / len(batches)
-
-    def blocking_copies(batches, model, device):
-        losses = [torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)) for x, y in batches]
-        return torch.stack(losses).mean().item()
-
     def blank(batches, model, device):
         raise NotImplementedError
 
     assert status(q2, fast_loop) == CORRECT
-    assert status(q2, slow_loop) == WRONG and "6 times" in q2.last.message
+    assert status(q2, fast_loop_copy_into_empty_like) == CORRECT
+    assert status(q2, slow_loop) == WRONG and "5 times while batches were still to come" in q2.last.message
     assert status(q2, still_reads_every_step) == WRONG
+    assert status(q2, synchronizes_every_step) == WRONG and "synchronize" in q2.last.message
+    assert status(q2, sums_into_a_host_tensor) == WRONG and "host" in q2.last.message
     assert status(q2, blocking_copies) == WRONG and "non_blocking=True" in q2.last.message
+    assert status(q2, never_copies) == WRONG
     assert status(q2, lambda b, m, d: 0.0) == WRONG  # not the same loss
     assert status(q2, blank) == NOT_ATTEMPTED
 
 
-def test_q3_workers_needed():
-    assert status(q3, lambda s, b, t: max(1, math.ceil(s * b / t))) == CORRECT
-    assert status(q3, lambda s, b, t: max(1, int(s * b / t))) == WRONG  # rounds down: the GPU still waits
-    assert status(q3, lambda s, b, t: math.ceil(s / t)) == WRONG  # forgets that a worker builds a whole batch
-    assert status(q3, lambda s, b, t: s * b / t) == WRONG  # not a whole number
+measure = shown_solution(q3, "measure", time=time, gpulab=gpulab)
+
+
+def measure_including_startup(loader, train_step, device, skip):
+    """Plausible but wrong: one clock around everything, start-up included."""
+    start, seen = time.perf_counter(), 0
+    for x, y in loader:
+        train_step(x, y)
+        seen += len(y)
+    gpulab.sync(device)
+    total = time.perf_counter() - start
+    return total, seen / total
+
+
+def measure_without_skipping(loader, train_step, device, skip):
+    """Plausible but wrong: starts the clock at the first batch, while prepared batches are still waiting."""
+    start = time.perf_counter()
+    batches = iter(loader)
+    x, y = next(batches)
+    startup_s = time.perf_counter() - start
+    train_step(x, y)
+    seen, start = 0, time.perf_counter()
+    for x, y in batches:
+        train_step(x, y)
+        seen += len(y)
+    gpulab.sync(device)
+    return startup_s, seen / (time.perf_counter() - start)
+
+
+def measure_without_waiting(loader, train_step, device, skip):
+    """Plausible but wrong: the clock stops while the GPU still works through queued steps."""
+    start = time.perf_counter()
+    batches = iter(loader)
+    x, y = next(batches)
+    startup_s = time.perf_counter() - start
+    for _ in range(skip):
+        train_step(*next(batches))
+    seen, start = 0, time.perf_counter()
+    for x, y in batches:
+        train_step(x, y)
+        seen += len(y)
+    return startup_s, seen / (time.perf_counter() - start)
+
+
+def measure_batches_per_second(loader, train_step, device, skip):
+    startup_s, samples_per_s = measure(loader, train_step, device, skip)
+    return startup_s, samples_per_s / loader.batch_size
+
+
+def measure_with_events(loader, train_step, device, skip):
+    """Unusual but right: CUDA events around the steady part, batch count from the loader's length."""
+    start = time.perf_counter()
+    batches = iter(loader)
+    first = next(batches)
+    startup_s = time.perf_counter() - start
+    for x, y in [first] + [next(batches) for _ in range(skip)]:
+        train_step(x, y)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    timed = 0
+    for x, y in batches:
+        train_step(x, y)
+        timed += 1
+    end.record()
+    end.synchronize()
+    return startup_s, timed * loader.batch_size / (begin.elapsed_time(end) / 1e3)
+
+
+def test_q3_measure_a_loader_in_steady_state():
+    def blank(loader, train_step, device, skip):
+        raise NotImplementedError
+
+    assert status(q3, measure) == CORRECT
+    assert status(q3, measure_with_events) == CORRECT
+    assert status(q3, measure_including_startup) == WRONG
+    assert status(q3, measure_without_skipping) == WRONG and "skip them" in q3.last.message
+    assert status(q3, measure_without_waiting) == WRONG and "wait for it" in q3.last.message
+    assert status(q3, measure_batches_per_second) == WRONG and "batches, not samples" in q3.last.message
+    assert status(q3, blank) == NOT_ATTEMPTED
+    assert status(q3, ____) == NOT_ATTEMPTED
 
 
 def test_q4_loader_settings():
     right = dict(num_workers=6, pin_memory=True, persistent_workers=True, prefetch_factor=2)
     assert status(q4, right) == CORRECT
+    assert status(q4, dict(num_workers=8, pin_memory=True, persistent_workers=True, prefetch_factor=4)) == CORRECT
     assert status(q4, {**right, "num_workers": 0, "persistent_workers": False, "prefetch_factor": None}) == WRONG
     assert status(q4, {**right, "num_workers": 2}) == WRONG and "at least 5" in q4.last.message
     assert status(q4, {**right, "num_workers": 32}) == WRONG and "cores" in q4.last.message

@@ -44,6 +44,9 @@ def test_copies_with_their_target_and_non_blocking_flag():
     assert [(c.method, c.target, c.non_blocking) for c in seen.copies] == [
         ("to", "cpu", False), ("to", "cpu", True), ("to", "meta", False), ("copy_", "cpu", True), ("cpu", "cpu", False)]
     assert len(seen.blocking_copies()) == 3 and len(seen.blocking_copies("meta")) == 1
+    with observe() as seen:
+        torch.empty_like(x, device="meta").copy_(x, non_blocking=True)  # a copy's source is its argument
+    assert [(c.target, c.source, c.non_blocking) for c in seen.copies] == [("meta", "cpu", True)]
 
 
 def test_explicit_synchronize_is_recorded_and_harmless_without_a_gpu():

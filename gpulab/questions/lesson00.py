@@ -8,6 +8,7 @@ import torch
 
 from ..check import Question, Wrong, expect_close
 from ..device import device_info, get_device
+from ..observe import observe
 from ..timing import Measurement
 
 
@@ -29,10 +30,12 @@ def _check_predict(predict) -> str:
     with torch.no_grad():
         expected = model(batch)
     here = get_device()
-    # "meta" exists on every machine: a model moved there and a CPU batch fail like cuda and cpu do.
+    # "meta" exists on every machine: a model moved there and a CPU batch fail like cuda and cpu do, and the
+    # products the model computes say on which device it really ran.
     for target in (here, torch.device("meta")):
         try:
-            out = predict(copy.deepcopy(model), batch.clone(), target)
+            with observe(fake_meta_reads=True) as seen:
+                out = predict(copy.deepcopy(model), batch.clone(), target)
         except NotImplementedError:
             raise
         except RuntimeError as err:
@@ -40,6 +43,10 @@ def _check_predict(predict) -> str:
                         "to `device`, and keep the moved batch (`batch = batch.to(device)`).") from None
         if not isinstance(out, torch.Tensor):
             raise Wrong(f"return the model's output (a tensor), got {type(out).__name__}")
+        elsewhere = sorted(set(seen.product_devices) - {target.type})
+        if elsewhere:
+            raise Wrong(f"with device={str(target)!r} the model computed on {', '.join(elsewhere)}, and only its "
+                        "output was moved: move the model and the batch first, then call the model")
         if out.device.type != target.type:
             raise Wrong(f"with device={str(target)!r} the output is on {out.device}: run the model on `device` "
                         "and return its output there (no `.cpu()`)")

@@ -8,6 +8,7 @@ import torch
 
 from ..check import Question, Wrong, expect_close
 from ..device import get_device, sync
+from ..observe import observe, simulated_gpu
 from .lesson00 import _positive
 
 
@@ -18,30 +19,59 @@ def _check_timer(time_ms) -> str:
     if here.type == "cuda":
         a = torch.randn(4096, 4096, device=here)
         work = lambda: [a @ a for _ in range(8)]  # queued in microseconds, runs for milliseconds
-    else:
-        work = lambda: time.sleep(0.03)
-    work()
-    sync(here)
-    start = time.perf_counter()
-    work()
-    sync(here)
-    truth_ms = (time.perf_counter() - start) * 1e3
-    got = time_ms(work)
-    sync(here)
-    got = _number(got)
-    if got is None:
-        raise Wrong("return a number of milliseconds")
+        work()
+        sync(here)
+        start = time.perf_counter()
+        work()
+        sync(here)
+        truth_ms = (time.perf_counter() - start) * 1e3
+        gpu_ms = _timed_by_learner(time_ms, work, here, sync_after=True)
+        where = f"on {here}"
+    else:  # no GPU: a simulated one, whose queue runs 32 ms of work that took microseconds to queue
+        with simulated_gpu() as gpu:
+            truth_ms = 32.0
+            gpu_ms = _timed_by_learner(time_ms, lambda: [gpu.launch(0.004) for _ in range(8)], torch.device("cuda"))
+            gpu.wait()
+        where = "on a simulated GPU (this machine has none)"
+    _judge_timer(gpu_ms, truth_ms, where, gpu=True)
+    cpu_ms = _timed_by_learner(time_ms, lambda: time.sleep(0.03), torch.device("cpu"))
+    _judge_timer(cpu_ms, 30.0, "on the CPU", gpu=False)
+    return (f"your timer measured {gpu_ms:.3g} ms for GPU work that takes about {truth_ms:.3g} ms ({where}), and "
+            f"{cpu_ms:.3g} ms for 30 ms on the CPU.")
+
+
+def _timed_by_learner(time_ms, work, device, sync_after=False):
+    """``time_ms(work, device)`` as a number, or Wrong that says what failed and where."""
+    try:
+        got = time_ms(work, device)
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
+        hint = ("" if device.type == "cpu" else " (time the GPU with torch.cuda.Event(enable_timing=True) or "
+                "torch.cuda.synchronize(), and wait for the end event before elapsed_time)")
+        raise Wrong(f"with device={str(device)!r} your timer raised {type(err).__name__}: {err}{hint}") from None
+    if sync_after:
+        sync(device)
+    number = _number(got)
+    if number is None:
+        raise Wrong(f"with device={str(device)!r} your timer returned {got!r}: return a number of milliseconds")
+    return number
+
+
+def _judge_timer(got: float, truth_ms: float, where: str, gpu: bool) -> None:
     if got < 0.5 * truth_ms:
-        looks_like_seconds = abs(got * 1e3 - truth_ms) <= 0.5 * truth_ms
-        if here.type != "cuda" and looks_like_seconds:
-            raise Wrong(f"you returned {got:.4g}: that looks like seconds. Return milliseconds")
-        units = " (and return milliseconds, not seconds)" if looks_like_seconds else ""
-        raise Wrong(f"your timer says {got:.3g} ms, but the work takes about {truth_ms:.3g} ms: the clock stopped "
-                    "before the GPU had finished. Synchronise (`torch.cuda.synchronize()`, `end.synchronize()`) "
-                    f"before reading the time{units}")
+        seconds = abs(got * 1e3 - truth_ms) <= 0.5 * truth_ms
+        if gpu:
+            raise Wrong(f"{where} your timer says {got:.3g} ms, but the work takes about {truth_ms:.3g} ms: "
+                        + ("that looks like seconds, return milliseconds; or " if seconds else "")
+                        + "the clock stopped when the work was queued, before the GPU had run it. Wait for the GPU "
+                        "(`end.synchronize()` after `end.record()`, or `torch.cuda.synchronize()`) before reading the "
+                        "time")
+        raise Wrong(f"{where} your timer returned {got:.4g} for work that takes about {truth_ms:.3g} ms"
+                    + (": that looks like seconds. Return milliseconds" if seconds else ""))
     if got > 2 * truth_ms + 5:
-        raise Wrong(f"your timer says {got:.3g} ms, but one call takes about {truth_ms:.3g} ms: time one call only")
-    return f"your timer measured {got:.3g} ms for work that takes about {truth_ms:.3g} ms on {here}."
+        raise Wrong(f"{where} your timer says {got:.3g} ms, but one call takes about {truth_ms:.3g} ms: time one "
+                    "call of fn only")
 
 
 # The choices of q2, for `x`, a float32 tensor on the GPU; True where the call makes the CPU wait.
@@ -75,43 +105,13 @@ def _check_sync_points(answer) -> str:
     return "these are the calls that need a value, a shape or text from the GPU, so they wait for it."
 
 
-class _Counting(torch.Tensor):
-    """A tensor that counts the calls that copy it to the host (each one waits for the GPU)."""
-
-    transfers = 0
-    _TO_HOST = {"item", "cpu", "numpy", "tolist", "__float__", "__int__", "__bool__", "__array__"}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in cls._TO_HOST or name == "to" and any(_is_cpu(a) for a in (*args[1:], *kwargs.values())):
-            _Counting.transfers += 1
-            with torch._C.DisableTorchFunctionSubclass():
-                result = func(*args, **kwargs)
-            return result.as_subclass(torch.Tensor) if isinstance(result, torch.Tensor) else result
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _is_cpu(spec) -> bool:
-    return isinstance(spec, str) and spec.startswith("cpu") or isinstance(spec, torch.device) and spec.type == "cpu"
-
-
 def _check_collect(collect_losses) -> str:
     if not callable(collect_losses):
         raise Wrong("pass your function itself: `q3.check(collect_losses)`")
     here, steps = get_device(), 12
     values = torch.linspace(2.0, 0.5, steps)
-    calls = 0
-
-    def train_step():
-        nonlocal calls
-        calls += 1
-        return values[(calls - 1) % steps].to(here).as_subclass(_Counting)
-
-    _Counting.transfers = 0
-    result = collect_losses(train_step, steps)
-    transfers = _Counting.transfers
+    # The values, on this machine's device; the transfers, on the GPU or, without one, on "meta" standing in for it.
+    result, calls, _ = _collect_on(collect_losses, values, here)
     if calls != steps:
         raise Wrong(f"call train_step() once per step: {steps} steps, your function called it {calls} times")
     if not isinstance(result, (np.ndarray, list, tuple)) or isinstance(result, (list, tuple)) and any(
@@ -120,10 +120,36 @@ def _check_collect(collect_losses) -> str:
     got = np.asarray(result, dtype=float).ravel()
     if got.shape != (steps,) or not np.allclose(got, values.numpy()):
         raise Wrong(f"expected the {steps} losses in order, {np.round(values.numpy(), 3)}, got {np.round(got, 3)}")
+    device = here if here.type == "cuda" else torch.device("meta")
+    _, _, seen = _collect_on(collect_losses, values, device)
+    transfers = len(seen.to_host)
     if transfers > 1:
-        raise Wrong(f"your function copied losses to the host {transfers} times for {steps} steps, and each copy "
-                    "makes the CPU wait for the GPU. Keep them on the device (`torch.stack`) and transfer once")
-    return f"{steps} losses, {transfers} transfer to the host."
+        raise Wrong(f"your function copied losses from the device to the host {transfers} times for {steps} steps "
+                    f"({seen.to_host_kinds()}), and each copy makes the CPU wait for the GPU. Keep them "
+                    "on the device (`torch.stack`, or a tensor on `device`) and transfer once, at the end")
+    where = f"on {device}" if device.type == "cuda" else "on a stand-in device: this machine has no GPU"
+    return f"{steps} losses, {transfers} transfer to the host ({where})."
+
+
+def _collect_on(collect_losses, values, device):
+    """Run ``collect_losses`` with losses on ``device``: (result, calls of train_step, what observe saw)."""
+    calls = 0
+
+    def train_step():
+        nonlocal calls
+        calls += 1
+        return values[(calls - 1) % len(values)].to(device)
+
+    try:
+        with observe(fake_meta_reads=True) as seen:
+            result = collect_losses(train_step, len(values), device)
+    except NotImplementedError as err:
+        if "meta" in str(err):
+            raise Wrong(f"on the check's stand-in device your code failed: {err}") from None
+        raise
+    except (RuntimeError, TypeError) as err:
+        raise Wrong(f"with the losses on {device} your function raised {type(err).__name__}: {err}") from None
+    return result, calls, seen
 
 
 def _number(value) -> float | None:
@@ -161,7 +187,7 @@ q1 = Question(
               "event (`end.synchronize()`), then `start.elapsed_time(end)` is in milliseconds. On the CPU, "
               "`time.perf_counter()` around the call is right (and is in seconds).",
     solution_text="""
-def time_ms(fn):
+def time_ms(fn, device):
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -186,10 +212,11 @@ q2 = Question(
 
 q3 = Question(
     lesson="01", number=3, title="Transfer once, not every step", checker=_check_collect,
-    hint_text="Append `loss.detach()` (a tensor on the device) to a list in the loop; after the loop, "
-              "`torch.stack(...)` the list and call `.cpu().numpy()` once.",
+    hint_text="Append `loss.detach()` (a tensor on the device) to a list in the loop, or write it into a tensor "
+              "made on `device`; after the loop, `torch.stack(...)` the list and call `.cpu().numpy()` once. A "
+              "tensor made without `device=` lives on the host: writing a loss into it is a copy, every step.",
     solution_text="""
-def collect_losses(train_step, steps):
+def collect_losses(train_step, steps, device):
     losses = [train_step().detach() for _ in range(steps)]
     return torch.stack(losses).cpu().numpy()
 """,
