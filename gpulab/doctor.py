@@ -114,8 +114,17 @@ def _no_gpu(driver_cuda) -> Finding:
             "on Colab: Runtime > Change runtime type > GPU. On your own machine: install the NVIDIA driver "
             "(nvidia-smi must work). Without a GPU the course runs in quick mode on the CPU.",
         )
-    if _version(torch.version.cuda) > driver_cuda:
+    if _version(torch.version.cuda)[0] > driver_cuda[0]:
         return _driver_too_old(driver_cuda, Severity.ERROR)
+    if _version(torch.version.cuda) > driver_cuda:
+        return Finding(
+            "GPU visible to torch", Severity.ERROR,
+            f"torch cannot initialise the GPU. Its CUDA {torch.version.cuda} is newer than the driver's "
+            f"{driver_cuda[0]}.{driver_cuda[1]}: the same major version normally runs under CUDA minor-version "
+            "compatibility, but not what needs a newer driver (e.g. PTX code for a GPU newer than the torch build)",
+            f"update the NVIDIA driver to one for CUDA {torch.version.cuda}, or install a torch build for CUDA "
+            f"{driver_cuda[0]}.{driver_cuda[1]} or older",
+        )
     return Finding(
         "GPU visible to torch", Severity.ERROR,
         f"the driver answers (CUDA {driver_cuda[0]}.{driver_cuda[1]}) but torch cannot initialise the GPU",
@@ -135,8 +144,15 @@ def _driver_too_old(driver_cuda, severity) -> Finding:
 def _driver_matches(driver_cuda) -> Finding:
     if driver_cuda is None:
         return Finding("driver vs torch", Severity.OK, "torch initialised CUDA (NVML not reachable to compare versions)")
-    if _version(torch.version.cuda) > driver_cuda:
+    if _version(torch.version.cuda)[0] > driver_cuda[0]:
         return _driver_too_old(driver_cuda, Severity.WARNING)
+    if _version(torch.version.cuda) > driver_cuda:
+        return Finding(
+            "driver vs torch", Severity.OK,
+            f"torch's CUDA {torch.version.cuda} is newer than the driver's {driver_cuda[0]}.{driver_cuda[1]}, same major "
+            "version: it runs under CUDA minor-version compatibility (what needs a newer driver fails, e.g. PTX code "
+            "compiled by a newer CUDA; update the driver if you meet such an error)",
+        )
     return Finding(
         "driver vs torch", Severity.OK,
         f"driver supports CUDA {driver_cuda[0]}.{driver_cuda[1]} >= torch's CUDA {torch.version.cuda}",

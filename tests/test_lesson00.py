@@ -141,3 +141,19 @@ def test_q4_bf16_follows_the_device():
 def test_q1_on_the_gpu_catches_a_batch_left_on_the_cpu():
     assert status(q1, predict_forgets_batch) == WRONG
     assert "cuda" in q1.last.message
+
+
+def test_doctor_knows_minor_version_compatibility(monkeypatch):
+    """Lesson 00 teaches it: a driver for CUDA 12.2 runs a torch built for 12.8 (same major), not one built for 13.0."""
+    from gpulab import doctor
+    from gpulab.doctor import Severity
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    works = doctor._driver_matches(driver_cuda=(12, 2))
+    assert works.severity == Severity.OK and "minor-version compatibility" in works.summary
+    fails = doctor._no_gpu(driver_cuda=(12, 2))
+    assert fails.severity == Severity.ERROR and "minor-version compatibility" in fails.summary
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert doctor._driver_matches(driver_cuda=(12, 8)).severity == Severity.WARNING
+    assert "driver supports at most CUDA 12.8" in doctor._no_gpu(driver_cuda=(12, 8)).summary
