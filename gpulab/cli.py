@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="measure matmul, memory and transfer speed of this machine")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
+    p.add_argument("--timers", action="store_true",
+                   help="instead, compare gpulab.bench with torch.utils.benchmark (and triton's do_bench on a GPU)")
+    p.add_argument("--rounds", type=int, help="with --timers: interleaved rounds (default: 5, quick mode 3)")
+    p.add_argument("--threads", type=int, default=1, help="with --timers: CPU threads for every timer (default: 1)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
@@ -73,12 +77,17 @@ def _bench(args) -> int:
 
     print(device_info(args.device), end="\n\n")
     try:
+        if args.timers:
+            from .timers import compare, render
+
+            print(render(compare(args.device, args.rounds, args.threads)))
+            return 0
         rows = run_benchmarks(args.device)
     except ResultsFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     table = pd.DataFrame(rows)
-    columns = ["test", "value", "unit", "runs"] + (["of_limit"] if "of_limit" in table else [])
+    columns = ["test", "value", "unit", "runs"] + (["of_limit"] if "of_limit" in table else []) + ["detail"]
     ref = reference("bench")
     if not ref.empty:  # the same tests measured on the GPUs the course ships results for
         for name, group in ref.groupby("device_name"):

@@ -5,7 +5,11 @@ that keep the GradScaler's state with the model and the optimizer.
 The lesson itself writes ``torch.autocast``, ``torch.amp.GradScaler`` and the TF32 switch in its cells.
 """
 
+import functools
+import math
 import re
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +17,6 @@ import torch
 
 from .device import device_info, get_device
 from .mode import by_mode
-from .timing import bench
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 # The dtype of the tensors for each precision: TF32 is a mode of fp32 matmuls, not a dtype.
@@ -64,13 +67,91 @@ def datasheet_peak(name: str, precision: str) -> float | None:
     return DATASHEET_TFLOPS[entry].get(precision) if entry else None
 
 
-def measured_peak(dtype: torch.dtype, device=None, n: int | None = None) -> tuple[float, int]:
-    """(TFLOP/s, n) of one large n×n matmul in ``dtype`` under the current TF32 setting: the practical peak."""
+MAX_PRODUCT_S = 0.25  # matmul_peak tries no larger size once one product would take longer than this
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A measured matmul peak (``matmul_peak``): TFLOP/s of the median product at the fastest size ``n``."""
+
+    dtype: str
+    n: int
+    tflops: float
+    best_tflops: float  # the fastest single product at any size
+    first_tflops: float  # the first products (up to ten) at the first size, on the clocks as found
+    products: int  # products timed at size n
+    by_size: dict  # {n: median TFLOP/s} of every size tried
+
+
+def matmul_peak(dtype: torch.dtype, device=None, sizes=None, warmup_s: float | None = None,
+                min_time: float | None = None) -> Peak:
+    """The device's matmul peak in ``dtype``, under the current TF32 and reduced-precision settings.
+
+    How it is found: square matrices of random normal numbers (zeros and other special data can run faster
+    than real data) at a few sizes (4096, 8192 and 16384 on a GPU; a size is skipped when one product would
+    take over a quarter of a second). At each size, ``warmup_s`` seconds of untimed products first (1 s on a
+    GPU), long enough for the clocks to ramp up and for cuBLAS to pick its kernel; then products queued back
+    to back for ``min_time`` seconds (at least 10), each timed between two CUDA events, so the GPU never
+    waits for Python or a synchronisation. The peak is the median product's TFLOP/s at the fastest size;
+    ``best_tflops`` is the fastest single product; ``first_tflops``, the first products (up to ten) before
+    any warm-up: against ``by_size`` of the first size, it shows how much the warm-up mattered. On a CPU:
+    the same with a host clock, and smaller sizes.
+    """
     device = get_device(device)
-    n = n or by_mode(full=16384 if device.type == "cuda" else 2048, quick=256)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    m = bench(torch.mm, a, b, label=f"peak matmul {n} {dtype}", device=device, min_time=by_mode(0.5, 0.05))
-    return tflops(matmul_flops(n, n, n), m.median), n
+    cuda = device.type == "cuda"
+    sizes = sizes or by_mode(full=[4096, 8192, 16384] if cuda else [512, 1024, 2048], quick=[128, 256])
+    warmup_s = by_mode(full=1.0 if cuda else 0.2, quick=0.01) if warmup_s is None else warmup_s
+    min_time = by_mode(full=1.0 if cuda else 0.5, quick=0.02) if min_time is None else min_time
+    by_size, counts, best, first = {}, {}, 0.0, None
+    for n in sizes:
+        flops = matmul_flops(n, n, n)
+        if by_size and flops / (by_size[max(by_size)] * 1e12) > MAX_PRODUCT_S:
+            break  # too slow at this size: the smaller ones have told us the rate
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        out = torch.empty_like(a)
+        product = functools.partial(torch.mm, a, b, out=out)
+        start = time.perf_counter()
+        seconds = _timed_products(product, 1, cuda)[0]  # loads cuBLAS' kernel; tells how long one takes
+        warm = _timed_products(product, _count(0.05, seconds, 1, 10), cuda)
+        first = first or tflops(flops, statistics.median(warm))
+        while time.perf_counter() - start < warmup_s:
+            warm = _timed_products(product, _count(min(0.1, warmup_s), statistics.median(warm), 1, 10_000), cuda)
+        seconds = statistics.median(warm)
+        times = _timed_products(product, _count(min_time, seconds, 10 if seconds < MAX_PRODUCT_S else 3, 10_000), cuda)
+        by_size[n], counts[n] = tflops(flops, statistics.median(times)), len(times)
+        best = max(best, tflops(flops, min(times)))
+    n = max(by_size, key=by_size.get)
+    return Peak(dtype=str(dtype).removeprefix("torch."), n=n, tflops=by_size[n], best_tflops=best,
+                first_tflops=first, products=counts[n], by_size=by_size)
+
+
+def _count(seconds: float, each: float, least: int, most: int) -> int:
+    """How many calls of ``each`` seconds fill ``seconds``, within [least, most]."""
+    return min(most, max(least, math.ceil(seconds / max(each, 1e-9))))
+
+
+def _timed_products(product, count: int, cuda: bool) -> list[float]:
+    """Seconds of each of ``count`` calls of ``product``, back to back (between CUDA events on a GPU)."""
+    if cuda:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+        events[0].record()
+        for event in events[1:]:
+            product()
+            event.record()
+        events[-1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in zip(events, events[1:])]
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measured_peak(dtype: torch.dtype, device=None, n: int | None = None) -> tuple[float, int]:
+    """(TFLOP/s, n) of ``matmul_peak`` (at size ``n`` only, when given): the practical peak."""
+    peak = matmul_peak(dtype, device, sizes=[n] if n else None)
+    return peak.tflops, peak.n
 
 
 @dataclass(frozen=True)
