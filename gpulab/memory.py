@@ -46,7 +46,8 @@ class MemoryTracker(TorchDispatchMode):
     reference to its storage subtracts the bytes when the tensor is freed, even after the block.
     With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
     With ``record=True`` it also keeps every allocation and free, for ``timeline()``; ``mark("phase")``
-    names the part of the step that follows.
+    names the part of the step that follows. Tensors made from Python or NumPy data (``torch.tensor``,
+    ``torch.from_numpy``) bypass the operators it sees and are not counted.
     """
 
     def __init__(self, budget: float | None = None, *, record: bool = False):

@@ -60,3 +60,57 @@ class WideMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class TutorialCNN(nn.Module):
+    """The small CNN of PyTorch's CIFAR-10 tutorial, for 3×32×32 images: (5×5 convolution, activation,
+    2×2 max-pool) twice, then three fully connected layers.
+
+    ``width`` multiplies every layer (1: the tutorial's 6 and 16 channels, 120 and 84 hidden units);
+    ``activation`` is the non-linearity's class (``nn.ReLU``, ``nn.GELU``, ``nn.SiLU``, ...).
+    """
+
+    def __init__(self, num_classes: int = 10, width: int = 1, activation: type[nn.Module] = nn.ReLU, seed: int = 0):
+        super().__init__()
+        c1, c2, h1, h2 = 6 * width, 16 * width, 120 * width, 84 * width
+        with seeded(seed):
+            self.net = nn.Sequential(
+                nn.Conv2d(3, c1, 5), activation(), nn.MaxPool2d(2),
+                nn.Conv2d(c1, c2, 5), activation(), nn.MaxPool2d(2),
+                nn.Flatten(), nn.Linear(c2 * 5 * 5, h1), activation(),
+                nn.Linear(h1, h2), activation(), nn.Linear(h2, num_classes),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ResidualMLP(nn.Module):
+    """``depth`` residual blocks as in a transformer's feed-forward layers: activation memory grows with the
+    depth and the batch, and ``blocks`` (an ``nn.Sequential``) can be checkpointed a segment at a time.
+
+    Flattens its input like WideMLP (``in_features=3*32*32`` for images), embeds it in ``width`` features,
+    runs the blocks, and classifies.
+    """
+
+    def __init__(self, in_features: int = 3 * 32 * 32, width: int = 256, depth: int = 8, num_classes: int = 10,
+                 seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.embed = nn.Sequential(nn.Flatten(), nn.Linear(in_features, width))
+            self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(depth)))
+            self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+class ResidualBlock(nn.Module):
+    """``x + Linear(GELU(Linear(LayerNorm(x))))``, the hidden layer four times as wide as ``x``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)

@@ -312,3 +312,200 @@ def roofline(frame, *, peaks: dict | None = None, datasheet: dict | None = None,
         ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return ax
 
+
+def trace_timeline(spans, *, steps=None, title: str = "", ax=None):
+    """A profiler trace as a timeline (``gpulab.traces.timeline_spans``): CPU ranges and GPU work, one row per
+    thread or stream, with the training steps' boundaries (``gpulab.traces.steps``) as dotted lines.
+    White space on a GPU row is time the GPU sat idle."""
+    if ax is None:
+        with style():
+            ax = plt.figure(figsize=(12, 1.5 + 0.5 * spans["lane"].nunique())).add_subplot()
+    timeline(spans, title=title, ax=ax)
+    with style():
+        ax.set_xlabel("time since the trace began (ms)")
+        for step in (steps.itertuples() if steps is not None else []):
+            ax.axvline(step.start_ms, color="0.3", linestyle=":", linewidth=1)
+            ax.annotate(f"step {step.step}", (step.start_ms, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(2, 2), textcoords="offset points", fontsize=8, color="0.3")
+    return ax
+
+
+def top_operators(table, column: str = "self_cpu_ms", *, n: int = 10, title: str = "", ax=None):
+    """The ``n`` operators of a profile table (``gpulab.traces.op_table``) with the most ``column``, as bars."""
+    rows = table.sort_values(column, ascending=False).head(n)
+    ax = _axes(ax)
+    with style():
+        names = [name if len(name) <= 45 else name[:44] + "…" for name in rows["operator"]]
+        ax.barh(names, rows[column], color="tab:blue")
+        ax.invert_yaxis()
+        for i, value in enumerate(rows[column]):
+            ax.text(value, i, f" {value:.3g}", va="center", fontsize=8)
+        ax.set_xlim(0, rows[column].max() * 1.2 if len(rows) and rows[column].max() > 0 else 1)
+        ax.set_xlabel(column)
+        ax.set_title(title)
+    return ax
+
+
+def stacked(frame, columns, *, label: str, unit: str = "ms", title: str = "", ax=None):
+    """Horizontal stacked bars: one bar per row of ``frame`` (named by column ``label``), one segment per column
+    in ``columns`` (where a step's time went, per configuration)."""
+    ax = _axes(ax)
+    with style():
+        left = [0.0] * len(frame)
+        for column in columns:
+            values = frame[column].astype(float).tolist()
+            ax.barh(frame[label].astype(str), values, left=left, label=column)
+            left = [a + b for a, b in zip(left, values)]
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title)
+    return ax
+
+
+def predicted_vs_measured(frame, parts, *, label: str, unit: str = "MiB", title: str = "", ax=None):
+    """Where memory (or time) went, predicted on paper and measured: for each value of column ``label``, a hatched
+    bar from the row whose ``source`` is "predicted" above a solid one from the row whose ``source`` is
+    "measured", each stacked from the columns ``parts`` (one colour per part), the measured bar annotated with
+    its total and measured / predicted."""
+    from matplotlib.patches import Patch
+
+    ax = _axes(ax)
+    names = list(dict.fromkeys(frame[label]))
+    with style():
+        totals = []
+        for row, name in enumerate(names):
+            for source, offset, hatch, alpha in (("predicted", -0.2, "//", 0.45), ("measured", 0.2, None, 1.0)):
+                match = frame[(frame[label] == name) & (frame["source"] == source)]
+                if match.empty:
+                    continue
+                left = 0.0
+                for i, part in enumerate(parts):
+                    value = float(match[part].iloc[0])
+                    ax.barh(row + offset, value, height=0.38, left=left, color=f"C{i}", alpha=alpha, hatch=hatch,
+                            edgecolor="white", linewidth=0.5)
+                    left += value
+                totals.append(left)
+                if source == "measured":
+                    predicted = frame[(frame[label] == name) & (frame["source"] == "predicted")]
+                    ratio = left / predicted[list(parts)].iloc[0].sum() if not predicted.empty else float("nan")
+                    text = f" {left:.3g} {unit}" + (f" ({ratio:.2f}× predicted)" if ratio == ratio else "")
+                    ax.text(left, row + offset, text, va="center", fontsize=8)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        ax.grid(axis="y", visible=False)
+        ax.set_xlim(0, max(totals, default=1) * 1.45)
+        ax.set_xlabel(unit)
+        handles = [Patch(color=f"C{i}", label=part) for i, part in enumerate(parts)]
+        handles += [Patch(facecolor="0.8", hatch="//", edgecolor="white", label="predicted (upper bar)"),
+                    Patch(color="0.5", label="measured (lower bar)")]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+        ax.set_title(title)
+    return ax
+
+
+def memory_timeline(events, *, title: str = "", ax=None):
+    """Memory alive after each allocation event, in MiB (``gpulab.memory.MemoryTracker.timeline()`` or
+    ``gpulab.memory.snapshot_timeline``): ``allocated``, and ``reserved`` where the frame has it; each named
+    ``phase`` shaded and labelled, out-of-memory events marked."""
+    ax = _axes(ax)
+    with style():
+        x = events["event"]
+        ax.step(x, events["allocated"] / 2**20, where="post", color="tab:blue", label="allocated")
+        if "reserved" in events:
+            ax.step(x, events["reserved"] / 2**20, where="post", color="tab:orange", label="reserved")
+        phase = events["phase"].fillna("").astype(str)
+        runs = (phase != phase.shift()).cumsum()
+        starts, names = x.groupby(runs).first(), phase.groupby(runs).first()
+        ends = list(starts.iloc[1:]) + [x.iloc[-1]]
+        named = [(start, end, name) for start, end, name in zip(starts, ends, names, strict=True) if name]
+        for i, (start, end, name) in enumerate(named):
+            ax.axvspan(start, end, color="0.85" if i % 2 == 0 else "0.93", linewidth=0, zorder=0)
+            ax.annotate(name, ((start + end) / 2, 1.01), xycoords=("data", "axes fraction"), ha="left",
+                        va="bottom", rotation=30, fontsize=8)
+        ooms = events[events["action"] == "oom"]
+        if not ooms.empty:
+            ax.scatter(ooms["event"], ooms["allocated"] / 2**20, color="tab:red", marker="x", zorder=3,
+                       label="out of memory")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("allocation events, in order")
+        ax.set_ylabel("MiB")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title, pad=40 if named else None)
+    return ax
+
+
+def tradeoff(frame, x: str, y: str, *, label: str, title: str = "", xlabel: str | None = None,
+             ylabel: str | None = None, ax=None):
+    """One labelled point per row, ``y`` against ``x`` (peak memory against step time, say), joined in the
+    frame's order; both axes start at zero, so distances read as proportions."""
+    ax = _axes(ax)
+    with style():
+        ax.plot(frame[x], frame[y], color="0.75", linestyle=":", zorder=1)
+        for i, row in enumerate(frame.itertuples(index=False)):
+            px, py = getattr(row, x), getattr(row, y)
+            ax.scatter([px], [py], color=f"C{i}", zorder=3)
+            ax.annotate(str(getattr(row, label)), (px, py), xytext=(5, 4), textcoords="offset points", fontsize=9)
+        ax.set_xlim(0, frame[x].max() * 1.25)
+        ax.set_ylim(0, frame[y].max() * 1.2)
+        ax.set_xlabel(xlabel or x)
+        ax.set_ylabel(ylabel or y)
+        ax.set_title(title)
+    return ax
+
+
+def relative_bars(frame, metrics: dict, *, label: str, baseline: str, title: str = "", ax=None):
+    """Several metrics of several configurations in one chart: for each row (named by column ``label``), one bar
+    per metric (``metrics`` maps a column to its name with unit, "peak memory (MiB)") as a multiple of the
+    ``baseline`` row's, annotated with its own value. 1× is the baseline."""
+    ax = _axes(ax)
+    rows = frame.reset_index(drop=True)
+    base = rows[rows[label] == baseline].iloc[0]
+    height = 0.8 / len(metrics)
+    with style():
+        for i, (column, name) in enumerate(metrics.items()):
+            ratios = rows[column] / base[column]
+            positions = [r - 0.4 + (i + 0.5) * height for r in range(len(rows))]
+            ax.barh(positions, ratios, height=height, color=f"C{i}", label=name)
+            for pos, ratio, value in zip(positions, ratios, rows[column]):
+                ax.text(ratio, pos, f" {ratio:.2f}× ({value:.3g})", va="center", fontsize=8)
+        ax.axvline(1, color="0.3", linestyle="--", linewidth=1)
+        ax.set_yticks(range(len(rows)), rows[label].astype(str))
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.grid(axis="y", visible=False)
+        ax.set_xlim(0, max(float((rows[c] / base[c]).max()) for c in metrics) * 1.4)
+        ax.set_xlabel(f"× {baseline}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title)
+    return ax
+
+
+def regimes(ax, boundary: float, left: str = "latency-bound", right: str = "bandwidth-bound"):
+    """Shade the part of the x axis left of ``boundary`` and name the regime on each side of it (a collective's
+    latency-bound small messages vs its bandwidth-bound large ones)."""
+    lo, hi = ax.get_xlim()
+    with style():
+        ax.axvspan(lo, boundary, color="0.92", linewidth=0, zorder=0)
+        ax.axvline(boundary, color="0.5", linestyle=":", linewidth=1)
+        for text, ha, dx in ((left, "right", -4), (right, "left", 4)):
+            ax.annotate(text, (boundary, 0.03), xycoords=("data", "axes fraction"), xytext=(dx, 0),
+                        textcoords="offset points", ha=ha, va="bottom", color="0.35", fontsize="small")
+    ax.set_xlim(lo, hi)
+    return ax
+
+
+def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", measured=None, title: str = "",
+            ax=None):
+    """Scaling efficiency against GPU count, one line per ``by`` group (a model's predictions), 1 = perfect.
+
+    ``measured`` (same columns) adds measured points in black; GPU counts are written out (1, 2, 4, 8, ...).
+    """
+    ax = curves(frame, x, y, by=by, logy=False, title=title, xlabel="GPUs (data-parallel ranks)",
+                ylabel="scaling efficiency", ax=ax)
+    with style():
+        ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1)
+        if measured is not None and not measured.empty:
+            ax.plot(measured[x], measured[y], "k*", markersize=11, label="measured")
+            ax.legend(fontsize="small")
+        ax.set_ylim(0, 1.1)
+    return ax
