@@ -70,11 +70,12 @@ def _likely_mistake(model: nn.Module, optimizer: str, got: float) -> str:
     trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     k = STATE_TENSORS[optimizer]
     close = lambda value: abs(got - value) <= 0.01 * value
-    if close(sum(p.numel() for p in params) * 4 * (2 + k)):
+    if any(p.element_size() != 4 for p in params) and close(sum(p.numel() for p in params) * 4 * (2 + k)):
         return " Every parameter at 4 bytes? Use each parameter's own p.element_size()."
     if trained < weights and close(weights * (2 + k)):
         return " Frozen parameters (requires_grad=False) get no gradient and no optimizer state."
-    if close(sum(t.numel() * t.element_size() for t in model.state_dict().values()) + trained * (1 + k)):
+    state_dict = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if close(state_dict + trained * (1 + k)) or close(state_dict * (2 + k)):
         return (" model.state_dict() also holds buffers (BatchNorm's running statistics) and lists a shared layer "
                 "twice: count model.parameters().")
     extra = (got - weights) / trained
@@ -196,7 +197,8 @@ def _check_checkpointing(checkpointed_forward, segment) -> str:
         raise Wrong(f"segment should be a whole number of blocks from 1 to {DEPTH}, got {segment!r}")
     model, x, y = _ckpt_setup()
     plain_peak, plain_grads, _, plain_out = _run(model, lambda: model(x), y)
-    for length in sorted({1, 3, segment}):
+    peaks = {}
+    for length in sorted({1, DEPTH // 2, segment}):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             peak, grads, calls, out = _run(model, lambda length=length: checkpointed_forward(model, x, length), y)
@@ -214,12 +216,19 @@ def _check_checkpointing(checkpointed_forward, segment) -> str:
                         "forward and at most once more in the backward (no nested checkpoints)")
         if calls == DEPTH:
             raise Wrong(f"with segment={length} no block ran a second time: nothing was checkpointed")
-        if length == segment:
-            cut = 1 - peak / plain_peak
+        peaks[length] = peak
+    if peaks[1] >= peaks[DEPTH // 2]:
+        raise Wrong(f"segments of 1 block did not give a lower peak than segments of {DEPTH // 2}: checkpoint the "
+                    "blocks `segment` at a time, as the function's argument says")
+    cut = 1 - peaks[segment] / plain_peak
     if cut < TARGET_CUT:
-        raise Wrong(f"with segments of {segment} blocks the step's peak memory fell by {cut:.0%}, the target is "
+        raise Wrong(f"with segments of {_blocks(segment)} the step's peak memory fell by {cut:.0%}, the target is "
                     f"{TARGET_CUT:.0%}: a segment keeps all of its blocks' activations during its backward")
-    return f"segments of {segment} blocks: the step's peak memory fell by {cut:.0%} (target {TARGET_CUT:.0%})."
+    return f"segments of {_blocks(segment)}: the step's peak memory fell by {cut:.0%} (target {TARGET_CUT:.0%})."
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" + ("s" if n != 1 else "")
 
 
 q1 = Question(
@@ -276,6 +285,6 @@ def checkpointed_forward(model, x, segment):
         h = checkpoint(model.blocks[i:i + segment], h, use_reentrant=False)
     return model.head(h)
 
-segment = 2   # any length from 1 to 5 cuts this model's peak by at least 60%
+segment = 2   # any length from 1 to 4 cuts this model's peak by at least 60%
 """,
 )
