@@ -80,8 +80,8 @@ def _likely_mistake(model: nn.Module, optimizer: str, got: float) -> str:
                 "twice: count model.parameters().")
     extra = (got - weights) / trained
     if abs(extra - round(extra)) < 0.01:
-        return (f" That is the parameters plus {round(extra)} tensors the size of the trained parameters; there are "
-                f"{1 + k}: a gradient and {k} for the state of {optimizer!r} (SGD none, momentum one, Adam two).")
+        return (f" That is the parameters plus {round(extra)} copies of the trained parameters; a step keeps {1 + k}: "
+                f"their gradient and {k} of optimizer state for {optimizer!r} (SGD none, momentum one, Adam two).")
     return ""
 
 
@@ -198,7 +198,7 @@ def _check_checkpointing(checkpointed_forward, segment) -> str:
     model, x, y = _ckpt_setup()
     plain_peak, plain_grads, _, plain_out = _run(model, lambda: model(x), y)
     peaks = {}
-    for length in sorted({1, DEPTH // 2, segment}):
+    for length in sorted({1, 3, DEPTH // 2, segment}):  # 3 leaves a shorter last segment
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             peak, grads, calls, out = _run(model, lambda length=length: checkpointed_forward(model, x, length), y)
@@ -222,7 +222,7 @@ def _check_checkpointing(checkpointed_forward, segment) -> str:
                     "blocks `segment` at a time, as the function's argument says")
     cut = 1 - peaks[segment] / plain_peak
     if cut < TARGET_CUT:
-        raise Wrong(f"with segments of {_blocks(segment)} the step's peak memory fell by {cut:.0%}, the target is "
+        raise Wrong(f"with segments of {_blocks(segment)} the step's peak memory fell by {cut:.1%}, the target is "
                     f"{TARGET_CUT:.0%}: a segment keeps all of its blocks' activations during its backward")
     return f"segments of {_blocks(segment)}: the step's peak memory fell by {cut:.0%} (target {TARGET_CUT:.0%})."
 

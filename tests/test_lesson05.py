@@ -1,0 +1,283 @@
+"""Lesson 05's exercise checks: each question accepts the solution it shows and an unusual right answer, calls a
+blank answer "not attempted", and rejects plausible wrong answers with a message that names the mistake."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from gpulab.check import ____
+from gpulab.questions import lesson05
+from gpulab.questions.lesson05 import growth_per_step, training_state_bytes
+
+from .conftest import shown_solution
+
+STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def blank_function(*args, **kwargs):
+    raise NotImplementedError
+
+
+# ----- the helpers the checks rely on ---------------------------------------------------------------
+
+def test_training_state_bytes_of_a_small_layer():
+    layer = nn.Linear(10, 10)  # 110 parameters of 4 bytes
+    assert training_state_bytes(layer, "sgd") == 440 * 2
+    assert training_state_bytes(layer, "momentum") == 440 * 3
+    assert training_state_bytes(layer, "adam") == 440 * 4
+    layer.bias.requires_grad_(False)  # 40 bytes frozen: no gradient, no state
+    assert training_state_bytes(layer, "adam") == 440 + 400 * 3
+
+
+def test_growth_per_step_skips_the_first_step():
+    assert growth_per_step([1000, 1100, 1200, 1300]) == pytest.approx(100)
+    assert growth_per_step([0, 5000, 5000, 5000]) == pytest.approx(0)  # the first step allocates once
+
+
+# ----- q1: the bytes of the training state ----------------------------------------------------------
+
+def state_by_measuring(model, optimizer):
+    """Unusual but right: build the optimizer, take one step with zero gradients, count what exists."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+            "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adam": lambda ps: torch.optim.Adam(ps, lr=0.1)}[optimizer]
+    opt = make(trained)
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return sum(p.nbytes for p in model.parameters()) + sum(p.grad.nbytes for p in trained) + state
+
+
+def four_bytes_each(model, optimizer):
+    return sum(p.numel() for p in model.parameters()) * 4 * (2 + STATE[optimizer])
+
+
+def frozen_counted(model, optimizer):
+    return sum(p.numel() * p.element_size() for p in model.parameters()) * (2 + STATE[optimizer])
+
+
+def from_state_dict(model, optimizer):
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) * (2 + STATE[optimizer])
+
+
+def three_adam_tensors(model, optimizer):
+    k = {"sgd": 0, "momentum": 1, "adam": 3}[optimizer]
+    return sum(p.numel() * p.element_size() * (1 + (1 + k) * p.requires_grad) for p in model.parameters())
+
+
+def no_gradients(model, optimizer):
+    return sum(p.numel() * p.element_size() * (1 + STATE[optimizer] * p.requires_grad) for p in model.parameters())
+
+
+# ----- q2: a leak, found and fixed ------------------------------------------------------------------
+
+def _train_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def with_inference_mode(model, optimizer, batches, val_batch):
+    """Unusual but right: inference_mode for validation, detached tensors returned, one stack at the end."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).detach())
+        with torch.inference_mode():
+            val_losses.append(F.cross_entropy(model(x_val), y_val))
+    return torch.stack(train_losses), val_losses
+
+
+def leaky(model, optimizer, batches, val_batch):
+    """The loop as given: the validation losses keep their graphs."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        val_losses.append(F.cross_entropy(model(x_val), y_val))
+    return train_losses, val_losses
+
+
+def eval_mode_only(model, optimizer, batches, val_batch):
+    """model.eval() does not stop autograd."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        model.eval()
+        val_losses.append(F.cross_entropy(model(x_val), y_val))
+        model.train()
+    return train_losses, val_losses
+
+
+def running_sum(model, optimizer, batches, val_batch):
+    """Numbers returned, but a running total of the graphs is kept on the side."""
+    x_val, y_val = val_batch
+    train_losses, val_losses, total = [], [], 0
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        val_loss = F.cross_entropy(model(x_val), y_val)
+        total = total + val_loss
+        val_losses.append(val_loss.item())
+    running_sum.total = total
+    return train_losses, val_losses
+
+
+def keeps_loss_tensors(model, optimizer, batches, val_batch):
+    """No growth to speak of (backward freed the graphs), but the returned losses still carry grad_fn."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y))
+        with torch.no_grad():
+            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+    return train_losses, val_losses
+
+
+def validates_before_the_step(model, optimizer, batches, val_batch):
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        with torch.no_grad():
+            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+    return train_losses, val_losses
+
+
+def no_grad_everywhere(model, optimizer, batches, val_batch):
+    with torch.no_grad():
+        return leaky(model, optimizer, batches, val_batch)
+
+
+# ----- q3: checkpointing placed to meet a memory target ---------------------------------------------
+
+def with_checkpoint_sequential(model, x, segment):
+    """Unusual but right: torch's own helper (it leaves the last segment unchecked, which the target allows)."""
+    segments = math.ceil(len(model.blocks) / segment)
+    h = checkpoint_sequential(model.blocks, segments, model.embed(x), use_reentrant=False)
+    return model.head(h)
+
+
+def without_use_reentrant(model, x, segment):
+    h = model.embed(x)
+    for i in range(0, len(model.blocks), segment):
+        h = checkpoint(model.blocks[i:i + segment], h)
+    return model.head(h)
+
+
+def drops_the_short_segment(model, x, segment):
+    h = model.embed(x)
+    for i in range(0, len(model.blocks) - segment + 1, segment):
+        h = checkpoint(model.blocks[i:i + segment], h, use_reentrant=False)
+    return model.head(h)
+
+
+def detaches_the_input(model, x, segment):
+    h = model.embed(x)
+    for i in range(0, len(model.blocks), segment):
+        h = checkpoint(model.blocks[i:i + segment], h.detach().requires_grad_(), use_reentrant=False)
+    return model.head(h)
+
+
+def not_checkpointed(model, x, segment):
+    return model(x)
+
+
+def every_block(model, x, segment):
+    h = model.embed(x)
+    for block in model.blocks:
+        h = checkpoint(block, h, use_reentrant=False)
+    return model.head(h)
+
+
+def nested(model, x, segment):
+    def run_segment(blocks, h):
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return h
+
+    h = model.embed(x)
+    for i in range(0, len(model.blocks), segment):
+        h = checkpoint(run_segment, model.blocks[i:i + segment], h, use_reentrant=False)
+    return model.head(h)
+
+
+def right_checkpointing():
+    return shown_solution(lesson05.q3, "checkpointed_forward", checkpoint=checkpoint)
+
+
+# ----- the checks -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("question, right", [
+    (lesson05.q1, lambda: (shown_solution(lesson05.q1, "state_bytes"),)),
+    (lesson05.q1, lambda: (state_by_measuring,)),
+    (lesson05.q2, lambda: (shown_solution(lesson05.q2, "train", torch=torch, F=F),)),
+    (lesson05.q2, lambda: (with_inference_mode,)),
+    (lesson05.q3, lambda: (right_checkpointing(), 2)),
+    (lesson05.q3, lambda: (right_checkpointing(), 4)),
+    (lesson05.q3, lambda: (with_checkpoint_sequential, 2)),
+], ids=["q1", "q1-measured", "q2", "q2-inference-mode", "q3", "q3-longest-segment", "q3-checkpoint-sequential"])
+def test_right_answers_pass(question, right):
+    question.check(*right())
+    assert question.last.status == "correct", question.last.message
+
+
+@pytest.mark.parametrize("question, wrong, says", [
+    (lesson05.q1, lambda: (four_bytes_each,), "own p.element_size()"),
+    (lesson05.q1, lambda: (frozen_counted,), "Frozen parameters"),
+    (lesson05.q1, lambda: (from_state_dict,), "count model.parameters()"),
+    (lesson05.q1, lambda: (three_adam_tensors,), "plus 4 copies"),
+    (lesson05.q1, lambda: (no_gradients,), "a step keeps 1: their gradient"),
+    (lesson05.q1, lambda: (lambda model, optimizer: "1 MiB",), "a number of bytes"),
+    (lesson05.q1, lambda: (16,), "pass your function itself"),
+    (lesson05.q2, lambda: (leaky,), "KiB per step"),
+    (lesson05.q2, lambda: (eval_mode_only,), "model.eval() does not stop autograd"),
+    (lesson05.q2, lambda: (running_sum,), "a list or a sum"),
+    (lesson05.q2, lambda: (keeps_loss_tensors,), "still carry their graphs"),
+    (lesson05.q2, lambda: (validates_before_the_step,), "validation losses"),
+    (lesson05.q2, lambda: (no_grad_everywhere,), "RuntimeError"),
+    (lesson05.q3, lambda: (without_use_reentrant, 2), "use_reentrant"),
+    (lesson05.q3, lambda: (drops_the_short_segment, 2), "the last segment may be shorter"),
+    (lesson05.q3, lambda: (detaches_the_input, 2), "gradients differ"),
+    (lesson05.q3, lambda: (not_checkpointed, 2), "nothing was checkpointed"),
+    (lesson05.q3, lambda: (every_block, 8), "as the function's argument says"),
+    (lesson05.q3, lambda: (nested, 2), "no nested checkpoints"),
+    (lesson05.q3, lambda: (right_checkpointing(), 8), "the target is 60%"),
+    (lesson05.q3, lambda: (right_checkpointing(), 5), "fell by 59.6%"),
+    (lesson05.q3, lambda: (right_checkpointing(), 0), "whole number"),
+    (lesson05.q3, lambda: (right_checkpointing(), "2"), "whole number"),
+])
+def test_plausible_wrong_answers_are_rejected(question, wrong, says):
+    question.check(*wrong())
+    assert question.last.status == "wrong"
+    assert says in question.last.message
+
+
+@pytest.mark.parametrize("question, blank", [
+    (lesson05.q1, (blank_function,)),
+    (lesson05.q1, (____,)),
+    (lesson05.q2, (blank_function,)),
+    (lesson05.q3, (blank_function, ____)),
+    (lesson05.q3, (blank_function, 2)),
+])
+def test_blank_answers_are_not_attempted(question, blank):
+    question.check(*blank)
+    assert question.last.status == "not attempted"
+
+
+def test_the_leak_check_measures_the_learners_loop():
+    """The growth the check reports is what the tracker measured: a fixed loop's is near zero, the leaky one's is
+    a validation forward's activations per step."""
+    lesson05.q2.check(shown_solution(lesson05.q2, "train", torch=torch, F=F))
+    assert "grows by 0 bytes per step" in lesson05.q2.last.message
+    lesson05.q2.check(leaky)
+    kib = float(lesson05.q2.last.message.split("grows by ")[1].split(" KiB")[0].replace(",", ""))
+    assert 256 * 256 * 4 * 2 / 1024 <= kib <= 4 * 256 * 256 * 4 / 1024  # two hidden layers' outputs, or a few more
