@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from gpulab import models
 from gpulab.check import ____
 from gpulab.questions import lesson05
 from gpulab.questions.lesson05 import growth_per_step, training_state_bytes
@@ -31,6 +32,23 @@ def test_training_state_bytes_of_a_small_layer():
     assert training_state_bytes(layer, "adam") == 440 * 4
     layer.bias.requires_grad_(False)  # 40 bytes frozen: no gradient, no state
     assert training_state_bytes(layer, "adam") == 440 + 400 * 3
+
+
+def test_residual_mlp_is_seeded_and_its_blocks_can_be_run_in_segments():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a, b = models.ResidualMLP(width=32, depth=4, seed=0), models.ResidualMLP(width=32, depth=4, seed=0)
+    assert torch.equal(torch.rand(1), expected_next)  # the global random stream is left alone
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    x = torch.randn(2, 3, 32, 32)
+    assert a(x).shape == (2, 10)
+    h = a.embed(x)
+    for i in range(0, 4, 3):  # segments of 3 and 1 blocks give the same as the whole
+        h = a.blocks[i:i + 3](h)
+    assert torch.allclose(a.head(h), a(x))
+    vectors = models.ResidualMLP(in_features=16, width=8, depth=1)
+    assert vectors(torch.randn(5, 16)).shape == (5, 10)
 
 
 def test_growth_per_step_skips_the_first_step():
