@@ -1,8 +1,13 @@
 """Lesson 05's exercise checks: each question accepts the solution it shows and an unusual right answer, calls a
 blank answer "not attempted", and rejects plausible wrong answers with a message that names the mistake."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +19,7 @@ from gpulab.check import ____
 from gpulab.questions import lesson05
 from gpulab.questions.lesson05 import growth_per_step, training_state_bytes
 
-from .conftest import shown_solution
+from .conftest import ROOT, shown_solution
 
 STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 
@@ -299,3 +304,26 @@ def test_the_leak_check_measures_the_learners_loop():
     lesson05.q2.check(leaky)
     kib = float(lesson05.q2.last.message.split("grows by ")[1].split(" KiB")[0].replace(",", ""))
     assert 256 * 256 * 4 * 2 / 1024 <= kib <= 4 * 256 * 256 * 4 / 1024  # two hidden layers' outputs, or a few more
+
+
+# ----- the lesson's GPU-only experiment -------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_the_fragmentation_script_fails_by_default_and_fits_with_expandable_segments(tmp_path):
+    """The lesson's claim, on a real GPU: the 64 MiB tensor does not fit in the fragmented budget with the default
+    allocator, and does with expandable segments (which the script says really ran)."""
+    lesson = nbformat.read(ROOT / "notebooks" / "05_memory.ipynb", as_version=4)
+    [source] = [c.source for c in lesson.cells if c.source.startswith("%%writefile")]
+    script = tmp_path / "fragmentation.py"
+    script.write_text(source.split("\n", 1)[1])
+    runs = {}
+    for conf in (None, "expandable_segments:True"):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        if conf:
+            env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        run = subprocess.run([sys.executable, str(script), str(512 * 2**20), "0"], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        runs[conf] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert runs[None]["allocator"] == "default" and not runs[None]["large_fits"]
+    expandable = runs["expandable_segments:True"]
+    assert expandable["allocator"] == "expandable segments" and expandable["large_fits"]
