@@ -56,7 +56,7 @@ _PROFILES = {
     ]),
     "a profile with wrapper operators": _table([
         ("aten::linear", False, 0.5, 0.0, 20.0),
-        ("aten::addmm", False, 0.4, 12.0, 12.0),
+        ("aten::addmm", False, 0.6, 12.0, 12.0),
         ("aten::relu", False, 0.3, 3.0, 3.0),
         ("aten::convolution", False, 0.2, 0.0, 11.0),
         ("aten::cudnn_convolution", False, 0.2, 11.0, 11.0),
@@ -122,7 +122,13 @@ def _fraction(value, call: str) -> float:
     return float(value)
 
 
-def _compare_idle(got: float, expected: float, call: str, what: str) -> None:
+def _summed_idle(intervals: pd.DataFrame, start_ms: float, end_ms: float) -> float:
+    """The idle fraction a learner gets by adding up the clipped lengths (overlaps counted twice)."""
+    lengths = intervals["end_ms"].clip(upper=end_ms) - intervals["start_ms"].clip(lower=start_ms)
+    return 1 - lengths.clip(lower=0).sum() / (end_ms - start_ms)
+
+
+def _compare_idle(got: float, expected: float, call: str, what: str, summed: float) -> None:
     if math.isclose(got, expected, abs_tol=1e-6):
         return
     hint = ""
@@ -130,8 +136,10 @@ def _compare_idle(got: float, expected: float, call: str, what: str) -> None:
         hint = " That is the busy fraction: idle is the rest of the window."
     elif math.isclose(got, 100 * expected, abs_tol=1e-4):
         hint = " That is a percentage: return a fraction between 0 and 1."
-    elif got < 0:
+    elif got < 0 or math.isclose(got, summed, abs_tol=1e-6):
         hint = " Overlapping kernels count once: take the union of the intervals, not the sum of their lengths."
+    elif got < expected - 1e-6:
+        hint = " Clip each interval to the window: only the part inside [start_ms, end_ms] counts."
     raise Wrong(f"for {what}, {call} = {got:.4g}; the idle fraction is {expected:.4g}.{hint}")
 
 
@@ -142,7 +150,8 @@ def _check_idle(idle_fraction, trace) -> str:
         intervals = _intervals(pairs)
         expected = 1 - traces.busy_ms(intervals, start, end) / (end - start)
         call = f"idle_fraction(<{len(pairs)} intervals>, {start}, {end})"
-        _compare_idle(_fraction(idle_fraction(intervals.copy(), start, end), call), expected, call, what)
+        got = _fraction(idle_fraction(intervals.copy(), start, end), call)
+        _compare_idle(got, expected, call, what, _summed_idle(intervals, start, end))
     try:
         frame = traces.events(trace)
         windows = traces.steps(trace)
@@ -156,7 +165,8 @@ def _check_idle(idle_fraction, trace) -> str:
         expected = 1 - traces.busy_ms(busy, step.start_ms, step.end_ms) / (step.end_ms - step.start_ms)
         call = f"idle_fraction(<{what}>, {step.start_ms:.3f}, {step.end_ms:.3f})"
         got = _fraction(idle_fraction(busy[["start_ms", "end_ms"]].copy(), step.start_ms, step.end_ms), call)
-        _compare_idle(got, expected, call, f"step {step.step} of your trace")
+        _compare_idle(got, expected, call, f"step {step.step} of your trace",
+                      _summed_idle(busy, step.start_ms, step.end_ms))
         fractions.append(got)
     return (f"your function agrees with gpulab's on every test case and on the {len(fractions)} steps of your trace: "
             f"idle between {min(fractions):.0%} and {max(fractions):.0%} of each step, measured on {what}.")
@@ -219,16 +229,16 @@ def _check_fast(fast_epoch) -> str:
     fast_model, fast_opt = _fresh(model)
     expected = _pair(slow_epoch(slow_model, slow_opt, images, labels, batch_size), "slow_epoch")
     got = _pair(fast_epoch(fast_model, fast_opt, images, labels, batch_size), "your fast_epoch")
-    if not math.isclose(got[1], expected[1], abs_tol=1.5 / len(images)):
-        scale = " (a percentage? return a fraction)" if math.isclose(got[1], 100 * expected[1], rel_tol=1e-3) else ""
-        raise Wrong(f"your accuracy is {got[1]:.4g}, slow_epoch's is {expected[1]:.4g}{scale}: count the correct "
-                    "predictions of every image and divide by the number of images")
     same_weights = all(torch.allclose(a, b, rtol=1e-3, atol=1e-5)
                        for a, b in zip(slow_model.parameters(), fast_model.parameters()))
     if not math.isclose(got[0], expected[0], rel_tol=1e-3) or not same_weights:
         raise Wrong(f"your epoch trains differently from slow_epoch (mean loss {got[0]:.5g} instead of {expected[0]:.5g}"
                     f"{'' if same_weights else ', different weights afterwards'}): standardise each image on its own "
                     "(mean and std over its channels and pixels), clear the gradients every step, change only the speed")
+    if not math.isclose(got[1], expected[1], abs_tol=1.5 / len(images)):
+        scale = " (a percentage? return a fraction)" if math.isclose(got[1], 100 * expected[1], rel_tol=1e-3) else ""
+        raise Wrong(f"your accuracy is {got[1]:.4g}, slow_epoch's is {expected[1]:.4g}{scale}: count the correct "
+                    "predictions of every image and divide by the number of images")
 
     steps = math.ceil(len(images) / batch_size)
     twin, twin_opt = _fresh(model)
@@ -243,7 +253,7 @@ def _check_fast(fast_epoch) -> str:
     timing = dict(repeats=3, warmup=1)
     slow_time = bench(lambda: slow_epoch(*_fresh(model), images, labels, batch_size), **timing).median
     fast_time = bench(lambda: fast_epoch(*_fresh(model), images, labels, batch_size), **timing).median
-    needed = by_mode(full=3.0, quick=2.0)
+    needed = 3.0  # the shown solution reaches 4× or more on a 2-core CPU; fixing one of the two loops, about 2×
     speedup = slow_time / fast_time
     if speedup < needed:
         raise Wrong(f"your epoch is right, and {speedup:.2f}× as fast as slow_epoch on {device}; it needs to be at least "
