@@ -3,12 +3,10 @@
 A checker function receives the learner's answer and returns a short confirmation, or raises
 ``Wrong("what is wrong")``. An answer left as ``____`` (or a function that raises
 NotImplementedError) counts as not attempted. ``check()`` never raises: it prints a friendly
-message, and records the result for ``progress()`` and for ``gpulab grade`` (through
-``$GPULAB_GRADE_FILE``).
+message, and records the result for ``progress()``. It also keeps the answers it was given: ``gpulab grade``
+checks them again, with the installed checkers, in a cell of its own at the end of the notebook.
 """
 
-import json
-import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,20 +75,24 @@ class Question:
 
     def check(self, *answers) -> None:
         """Check the answer(s) and say what is right or wrong."""
+        self._answers = answers  # what `gpulab grade` checks again at the end of the notebook
+        self._record(*self._judge(answers))
+
+    def _judge(self, answers: tuple) -> tuple[str, str]:
+        """(status, message) for these answers; never raises for an error in the learner's code."""
         try:
             if any(isinstance(a, _Blank) for a in answers):
                 raise NotAttempted
-            status, message = CORRECT, self.checker(*answers) or "well done."
+            return CORRECT, self.checker(*answers) or "well done."
         except NotAttempted:
-            status, message = NOT_ATTEMPTED, _FILL_IN
+            return NOT_ATTEMPTED, _FILL_IN
         except NotImplementedError:
-            status, message = NOT_ATTEMPTED, _FILL_IN_BODY
+            return NOT_ATTEMPTED, _FILL_IN_BODY
         except Wrong as err:
-            status, message = WRONG, str(err)
+            return WRONG, str(err)
         except Exception as err:  # the learner's code failed inside the check: say where, briefly
             frame = traceback.extract_tb(err.__traceback__)[-1]
-            status, message = WRONG, f"your code raised {type(err).__name__}: {err} (line {frame.lineno} of {frame.name})"
-        self._record(status, message)
+            return WRONG, f"your code raised {type(err).__name__}: {err} (line {frame.lineno} of {frame.name})"
 
     def hint(self) -> None:
         _show(f"💡 **Hint ({self.name}):** {self.hint_text}")
@@ -103,10 +105,6 @@ class Question:
         _results[(self.lesson, self.name)] = self.last = result
         icon = {CORRECT: "✅ Correct", WRONG: "❌ Not yet", NOT_ATTEMPTED: "✏️ Not attempted yet"}[status]
         _show(f"**{icon} ({self.name}, {self.title}):** {message}")
-        grade_file = os.environ.get("GPULAB_GRADE_FILE")
-        if grade_file:
-            with open(grade_file, "a") as f:
-                f.write(json.dumps({"event": "check", **result.__dict__}) + "\n")
 
 
 def questions(lesson: str) -> list[Question]:

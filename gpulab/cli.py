@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -10,11 +11,52 @@ import pandas as pd
 DOCTOR_HELP = """exit status: 0 all OK; 1 warnings (the GPU works, something costs speed);
 2 errors (no usable GPU: torch is CPU-only, no driver, driver too old, ...)"""
 GRADE_HELP = """exit status: 0 every notebook ran to its end (whatever its score); 1 at least one
-notebook could not be graded (raised, timed out, exited, not a notebook): it got zero points"""
+notebook could not be graded (raised, timed out, exited, not a notebook): it got zero points;
+2 a mistake in the command (a missing notebook, --out naming a file, a bad --time-limit)"""
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(kind):
+    """An argparse type: a finite number > 0 of ``kind`` (int or float)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpulab", description=__doc__)
+    """Run one sub-command; a mistake in the command is one line on stderr and exit status 2."""
+    from .device import DeviceError
+    from .grading import GradingError
+    from .results import ResultsFileError
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (UsageError, DeviceError, ResultsFileError, GradingError) as err:
+        print(f"gpulab {args.subcommand}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gpulab", description=__doc__)
     sub = parser.add_subparsers(dest="subcommand", required=True)
 
     p = sub.add_parser("doctor", help="diagnose why training is slow or not on the GPU", epilog=DOCTOR_HELP)
@@ -25,20 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     p.add_argument("--timers", action="store_true",
                    help="instead, compare gpulab.bench with torch.utils.benchmark (and triton's do_bench on a GPU)")
-    p.add_argument("--rounds", type=int, help="with --timers: interleaved rounds (default: 5, quick mode 3)")
-    p.add_argument("--threads", type=int, default=1, help="with --timers: CPU threads for every timer (default: 1)")
+    p.add_argument("--rounds", type=_positive(int), help="with --timers: interleaved rounds (default: 5, quick mode 3)")
+    p.add_argument("--threads", type=_positive(int), default=1,
+                   help="with --timers: CPU threads for every timer (default: 1)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
     p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
     p.add_argument("--out", type=Path, default=Path("build"))
-    p.add_argument("--cell-timeout", type=int, default=900, help="seconds one cell may run")
+    p.add_argument("--cell-timeout", type=_positive(int), default=900, help="seconds one cell may run")
     p.set_defaults(run=_course)
 
     p = sub.add_parser("grade", help="grade exercise notebooks, write grades.csv and grades.json", epilog=GRADE_HELP)
     p.add_argument("notebooks", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("grades"))
-    p.add_argument("--time-limit", type=float, default=600, help="seconds one notebook may run")
+    p.add_argument("--time-limit", type=_positive(float), default=600, help="seconds one notebook may run")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("exercises", help="generate exercises/ from solutions/, or check they are in sync")
@@ -54,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--command", required=True, help="the command that produced it (kept as provenance)")
     p.add_argument("--name", help="reference name (default: the file's stem)")
     p.set_defaults(run=_reference)
-
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
 
 
 def _doctor(args) -> int:
@@ -73,19 +114,15 @@ def _doctor(args) -> int:
 def _bench(args) -> int:
     from .benchmarks import run_benchmarks
     from .device import device_info
-    from .results import ResultsFileError, reference
+    from .results import reference
 
     print(device_info(args.device), end="\n\n")
-    try:
-        if args.timers:
-            from .timers import compare, render
+    if args.timers:
+        from .timers import compare, render
 
-            print(render(compare(args.device, args.rounds, args.threads)))
-            return 0
-        rows = run_benchmarks(args.device)
-    except ResultsFileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(render(compare(args.device, args.rounds, args.threads)))
+        return 0
+    rows = run_benchmarks(args.device)
     table = pd.DataFrame(rows)
     columns = ["test", "value", "unit", "runs"] + (["of_limit"] if "of_limit" in table else []) + ["detail"]
     ref = reference("bench")
@@ -102,8 +139,9 @@ def _course(args) -> int:
 
     notebooks = args.notebooks or sorted(Path("notebooks").glob("*.ipynb"))
     if not notebooks:
-        print("error: no notebooks found (run this from the repository's root)", file=sys.stderr)
-        return 2
+        raise UsageError("no notebooks found (run this from the repository's root)")
+    _existing_files(notebooks)
+    _writable_folder(args.out)
     table = run_course(notebooks, args.out, args.cell_timeout)
     print("\n" + table.to_string(index=False))
     failed = (table["status"] != "passed").sum()
@@ -116,7 +154,10 @@ def _grade(args) -> int:
 
     from .grading import grade, totals, write
 
-    grades = grade(args.notebooks, args.time_limit, progress=lambda xs: tqdm(xs, desc="grading", unit="notebook"))
+    _existing_files(args.notebooks)
+    _writable_folder(args.out)  # before grading: a bad --out must not cost a whole class's grading time
+    grades = grade(args.notebooks, args.time_limit, progress=lambda xs: tqdm(xs, desc="grading", unit="notebook"),
+                   out_dir=args.out)
     with pd.option_context("display.max_colwidth", 90, "display.width", 200):
         print(grades.drop(columns="max_points").to_string(index=False))
         print("\n" + totals(grades).to_string())
@@ -150,14 +191,26 @@ def _notebooks(args) -> int:
 
 
 def _reference(args) -> int:
-    from .results import ResultsFileError, add_reference
+    from .results import add_reference
 
-    try:
-        print(f"wrote {add_reference(args.csv, args.command, args.name)}")
-    except ResultsFileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    print(f"wrote {add_reference(args.csv, args.command, args.name)}")
     return 0
+
+
+def _existing_files(paths: list[Path]) -> None:
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise UsageError(f"no such notebook: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+
+
+def _writable_folder(folder: Path) -> None:
+    """Create ``folder`` now, or say why it cannot be the output folder."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} is a file, not a folder: name a folder (it is created if needed)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create the folder --out {folder}: {err.strerror}") from None
 
 
 if __name__ == "__main__":

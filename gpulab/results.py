@@ -7,8 +7,10 @@ sweep keeps every finished point. Reference results measured on real GPUs ship i
 
 import csv
 import json
+import math
 import os
 import socket
+import sys
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
@@ -21,6 +23,8 @@ from .mode import quick_mode
 SCHEMA = 1
 REFERENCE_DIR = Path(__file__).parent / "reference"
 ENV_COLUMNS = ("schema", "recorded_at", "host", "device", "device_name", "driver", "torch", "cuda", "quick")
+
+_OURS = b"schema,"  # how every results file written by ResultLog starts
 
 
 class ResultsFileError(RuntimeError):
@@ -56,8 +60,9 @@ class ResultLog:
     """An append-only CSV of one experiment's results: ``log.add(size=..., seconds=...)``."""
 
     def __init__(self, name: str, directory: str | Path | None = None, device: str | None = None):
-        self.path = Path(directory or results_dir()) / f"{name}.csv"
+        self.path = Path(directory or results_dir()) / f"{_plain_name(name)}.csv"
         self.device = device
+        _set_aside_torn_row(self.path)
         if self.path.exists():
             self._check_header(self._header())
 
@@ -65,6 +70,7 @@ class ResultLog:
         """Append one row (the fields plus the environment) to the file at once; returns the row."""
         row = {**environment(self.device), "recorded_at": _now(), **fields}
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _set_aside_torn_row(self.path)
         header = self._header() if self.path.exists() else None
         if header is None:
             _write(self.path, list(row), [row])
@@ -115,8 +121,10 @@ class ResultLog:
 
 
 def load(path: str | Path) -> pd.DataFrame:
-    """Read a results CSV; a corrupt file gives a ResultsFileError saying what to do."""
+    """Read a results CSV; a missing or corrupt file gives a ResultsFileError saying what to do."""
     path = Path(path)
+    if not path.is_file():
+        raise ResultsFileError(f"{path}: no such file")
     try:
         return pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as err:
@@ -165,21 +173,74 @@ def add_reference(csv_path: str | Path, command: str, name: str | None = None) -
     frame = load(csv_path)
     if frame.empty or "device_name" not in frame:
         raise ResultsFileError(f"{csv_path} has no measured rows to ship as a reference")
-    if frame["quick"].astype(str).str.lower().eq("true").any():
+    if frame["quick"].astype(str).str.lower().ne("false").any():
         raise ResultsFileError(f"{csv_path} holds quick-mode rows; reference results come from full runs only")
+    on_cpu = ~frame["device"].astype(str).str.startswith("cuda")
+    if on_cpu.any():
+        raise ResultsFileError(f"{csv_path} holds {on_cpu.sum()} row(s) not measured on a GPU (device "
+                               f"{frame.loc[on_cpu, 'device'].iloc[0]!r}); reference results come from real GPUs only")
     name = name or Path(csv_path).stem
     REFERENCE_DIR.mkdir(exist_ok=True)
     target = REFERENCE_DIR / f"{name}.csv"
     frame.to_csv(target, index=False)
+    measured = frame["recorded_at"].dropna().astype(str) if "recorded_at" in frame else pd.Series(dtype=str)
     provenance = {
-        "devices": sorted(frame["device_name"].astype(str).unique()),
-        "drivers": sorted(frame["driver"].astype(str).unique()),
-        "torch": sorted(frame["torch"].astype(str).unique()),
-        "measured": [str(frame["recorded_at"].min()), str(frame["recorded_at"].max())],
+        "devices": _values(frame, "device_name"),
+        "drivers": _values(frame, "driver"),
+        "torch": _values(frame, "torch"),
+        "measured": [measured.min(), measured.max()] if len(measured) else [],
         "command": command,
     }
-    (REFERENCE_DIR / f"{name}.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    (REFERENCE_DIR / f"{name}.json").write_text(json.dumps(provenance, indent=2, allow_nan=False) + "\n")
     return target
+
+
+def _values(frame: pd.DataFrame, column: str) -> list[str]:
+    """The distinct values of a column as text, empty cells left out (JSON has no NaN)."""
+    if column not in frame:
+        return []
+    return sorted({str(v) for v in frame[column] if not (isinstance(v, float) and math.isnan(v))})
+
+
+def _plain_name(name: str) -> str:
+    """``name`` when it is a plain file name (no folders, no '..'), else ValueError."""
+    if (not isinstance(name, str) or not name.strip() or name in (".", "..") or "\0" in name
+            or any(sep in name for sep in ("/", "\\", os.sep))):
+        raise ValueError(f"a results name is a plain name such as 'matmul_sweep' (no folders, no '..'), got {name!r}; "
+                         "pass directory=... to write elsewhere")
+    return name
+
+
+def _set_aside_torn_row(path: Path) -> None:
+    """A file of ours cut off mid-row (an interrupted write) loses that partial row to ``<file>.torn`` before
+    the next append, so the new row starts on a line of its own; says so on stderr. Other files are left as
+    they are (reading them says what is wrong)."""
+    try:
+        with path.open("rb") as f:
+            if not f.read(len(_OURS)) == _OURS:
+                return
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+    except OSError:
+        return  # missing, or unreadable: reading the header says so
+    if not tail or tail.endswith(b"\n"):
+        return
+    cut = size - len(tail) + tail.rfind(b"\n") + 1 if b"\n" in tail else (0 if size <= len(tail) else size)
+    if cut == size:
+        return  # one row longer than 64 KiB: leave it to the reader
+    side = path.with_name(path.name + ".torn")
+    with path.open("r+b") as f:
+        f.seek(cut)
+        torn = f.read()
+        with side.open("ab") as out:
+            out.write(torn + b"\n")
+        f.truncate(cut)
+    if cut == 0:  # the header itself was cut off: start a new file
+        path.unlink()
+    print(f"note: {path} ended in a cut-off row (an interrupted write); it was moved to {side} and the file "
+          "goes on from its last whole row", file=sys.stderr)
 
 
 def _now() -> str:

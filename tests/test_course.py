@@ -30,3 +30,18 @@ def test_cli_exit_status_says_whether_all_passed(tmp_path, capsys):
     assert cli.main(["course", str(fine), "--out", str(tmp_path / "a")]) == 0
     assert cli.main(["course", str(fine), str(broken), "--out", str(tmp_path / "b")]) == 1
     assert "1 of 2 lessons passed" in capsys.readouterr().out
+
+
+def test_course_runs_are_quiet(tmp_path):
+    """No "Kernel is running over TCP without encryption" from each kernel (a plain nbclient kernel prints it)."""
+    import subprocess
+    import sys
+
+    fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
+    run = ("import sys, nbformat\nfrom nbclient import NotebookClient\nfrom gpulab.execute import run_notebook\n"
+           "if sys.argv[2] == 'plain':\n    NotebookClient(nbformat.read(sys.argv[1], 4)).execute()\n"
+           "else:\n    assert run_notebook(sys.argv[1]).ok\n")
+    said = {how: subprocess.run([sys.executable, "-c", run, str(fine), how], capture_output=True, text=True)
+            for how in ("plain", "gpulab")}
+    assert said["gpulab"].returncode == 0 and said["gpulab"].stderr == "", said["gpulab"].stderr
+    assert "without encryption" in said["plain"].stderr  # the warning this guards against, where it comes from

@@ -91,7 +91,7 @@ def test_cli_reference_add(results_dir, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("GPULAB_QUICK", "1")
     log = ResultLog("quick_rows")
     log.add(size=1)
-    assert cli.main(["reference", "add", str(log.path), "--command", "make course"]) == 1
+    assert cli.main(["reference", "add", str(log.path), "--command", "make course"]) == 2
     assert "quick-mode" in capsys.readouterr().err
 
 
@@ -101,3 +101,75 @@ def test_reference_for_says_where_the_results_come_from(capsys):
     ref = reference_for("01_copy_bandwidth")
     out = capsys.readouterr().out
     assert not ref.empty and "H100" in out and "torch 2.11" in out and "gpulab course" in out
+
+
+def _gpu_environment(monkeypatch, tmp_path, **changes):
+    import gpulab.results as results
+
+    monkeypatch.setattr(results, "REFERENCE_DIR", tmp_path / "reference")
+    monkeypatch.setattr(results, "environment", lambda device=None: {
+        "schema": 1, "host": "h", "device": "cuda:0", "device_name": "Some GPU", "driver": "1.0",
+        "torch": "2.x", "cuda": "12", "quick": False, **changes})
+
+
+@pytest.mark.parametrize("changes", [{"device": "cpu", "device_name": "CPU"}, {"device": "mps"}, {"quick": True}])
+def test_reference_refuses_rows_not_measured_on_a_gpu_in_full_mode(results_dir, monkeypatch, tmp_path, changes):
+    _gpu_environment(monkeypatch, tmp_path)
+    log = ResultLog("mixed")
+    log.add(size=1)
+    _gpu_environment(monkeypatch, tmp_path, **changes)
+    log.add(size=2)
+    with pytest.raises(ResultsFileError, match="not measured on a GPU|quick-mode"):
+        add_reference(log.path, command="make course")
+    assert not (tmp_path / "reference").exists()
+
+
+def test_provenance_is_valid_json_when_cells_are_empty(results_dir, monkeypatch, tmp_path):
+    import json
+
+    _gpu_environment(monkeypatch, tmp_path, driver="")
+    log = ResultLog("nodriver")
+    log.add(size=1)
+    add_reference(log.path, command="make course")
+    text = (tmp_path / "reference" / "nodriver.json").read_text()
+    assert "NaN" not in text and json.loads(text)["drivers"] == []
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/tmp/x", "..", "", "a\\b"])
+def test_result_names_are_plain_names(results_dir, name):
+    with pytest.raises(ValueError, match="plain name"):
+        ResultLog(name)
+    assert not results_dir.exists()
+
+
+def test_a_name_with_dots_and_dashes_is_fine(results_dir):
+    assert ResultLog("lesson-01.v2").add(size=1) and (results_dir / "lesson-01.v2.csv").exists()
+
+
+def test_a_writer_killed_mid_row_leaves_a_torn_row_that_is_set_aside(results_dir, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    log = ResultLog("torn")
+    log.add(size=1, note="x")
+    writer = ("import os, sys, time\nf = open(sys.argv[1], 'a')\nf.write('1,2026-01-01,host,cpu,CP')\n"
+              "f.flush()\nprint('written', flush=True)\ntime.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", writer, str(log.path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "written"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not log.path.read_text().endswith("\n")
+    log.add(size=2, note="y")
+    assert "cut-off row" in capsys.readouterr().err
+    frame = ResultLog("torn").frame()
+    assert frame["size"].tolist() == [1, 2] and frame["note"].tolist() == ["x", "y"]
+    assert (results_dir / "torn.csv.torn").read_text() == "1,2026-01-01,host,cpu,CP\n"
+
+
+def test_a_torn_header_is_set_aside_and_a_new_file_starts(results_dir, capsys):
+    results_dir.mkdir(parents=True)
+    (results_dir / "cut.csv").write_text("schema,recorded_at,ho")
+    ResultLog("cut").add(size=3)
+    assert ResultLog("cut").frame()["size"].tolist() == [3]
+    assert (results_dir / "cut.csv.torn").read_text() == "schema,recorded_at,ho\n"
