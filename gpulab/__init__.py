@@ -8,7 +8,7 @@ import torch
 
 from .device import device_info, get_device, sync
 from .mode import by_mode, quick_mode
-from .results import ResultLog, reference, reference_for, reference_provenance
+from .results import ResultLog, reference, reference_for, reference_provenance, results_dir
 from .timing import Measurement, bench
 
 __version__ = "0.1.0"
@@ -29,10 +29,12 @@ def setup(seed: int = 0) -> torch.device:
     print(f"gpulab {__version__} | device: {device} ({info.name}) | mode: {mode}")
     print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | Python {platform.python_version()}")
     if device.type == "cpu":
-        print("No GPU here: the lesson runs in quick mode on the CPU. Experiments that need a GPU say so, "
-              "and show reference results measured on real GPUs where the course has them.")
+        sizes = "small sizes, few repetitions" if mode == "quick" else "full sizes (GPULAB_QUICK=0): slow on a CPU"
+        print(f"No GPU here: the lesson runs on the CPU in {mode} mode ({sizes}). Experiments that need a GPU say "
+              "so, and show reference results measured on real GPUs where the course has them.")
     elif mode == "quick":
         print("Quick mode (CI or GPULAB_QUICK is set): small sizes, few repetitions. Unset it for real numbers.")
+    print(f"Results are written to {results_dir()} (set GPULAB_RESULTS to change it).")
     return device
 
 

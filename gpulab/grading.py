@@ -147,8 +147,12 @@ def _run(path: Path, data: bytes, lesson: str, time_limit: float, reference: dic
     if len(answers) != 1:
         tail = errors.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return {}, f"the grader's worker failed (exit {worker.returncode}): {tail[0]}"
-    answer = json.loads(answers[0])
-    if answer["error"]:
+    try:
+        answer = json.loads(answers[0])
+        answer["lines"] = [line for line in answer["lines"] if isinstance(line, str)]
+    except (ValueError, KeyError, TypeError):
+        return {}, "the grader's worker sent an answer it could not read: zero points"
+    if answer.get("error"):
         error = answer["error"]
         return {}, f"the notebook called sys.exit ({error})" if "SystemExit" in error else error
     return _read_report(answer["lines"], tag, lesson, reference)

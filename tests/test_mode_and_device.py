@@ -64,3 +64,15 @@ def test_gpu_facts():
     info = device_info("cuda")
     assert info.sm_count > 0 and info.memory_gb > 1 and info.compute_capability >= (3, 0)
     assert info.bf16_native == (info.compute_capability >= (8, 0))
+
+
+@pytest.mark.parametrize("flag, mode", [("1", "quick"), ("0", "full")])
+def test_setup_says_one_mode_and_where_results_go(capsys, monkeypatch, tmp_path, flag, mode):
+    monkeypatch.setenv("GPULAB_QUICK", flag)
+    monkeypatch.setenv("GPULAB_RESULTS", str(tmp_path / "mine"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpulab.setup()
+    out = capsys.readouterr().out
+    other = {"quick": "full", "full": "quick"}[mode]
+    assert f"mode: {mode}" in out and f"in {mode} mode" in out and other not in out.replace("GPULAB_QUICK", "")
+    assert f"Results are written to {tmp_path / 'mine'}" in out
