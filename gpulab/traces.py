@@ -9,7 +9,8 @@ The lessons write ``torch.profiler`` out in their cells; this module only reads 
 - ``gpu_busy(trace)``: per step, the time at least one kernel ran (the union of kernel intervals) and the rest;
 - ``record`` / ``reference_trace``: a GPU trace from a full run, shipped with its provenance in
   ``gpulab/reference/``;
-- ``hta_breakdown``: HolisticTraceAnalysis's temporal and idle-time breakdown of a GPU trace.
+- ``hta_breakdown``: HolisticTraceAnalysis's temporal and idle-time breakdown of a GPU trace, and
+  ``idle_breakdown``: the same idle-time classification (host wait, kernel wait, other) done here.
 
 Bad input (an empty profile, a trace without GPU events, a missing or corrupt file) raises ``TraceError``
 with one line saying what to do.
@@ -212,6 +213,44 @@ def gpu_busy(trace) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+IDLE_CATEGORIES = ("host_wait", "kernel_wait", "other")
+
+
+def idle_breakdown(trace, kernel_wait_us: float = 30.0) -> pd.DataFrame:
+    """The GPU's idle time per stream, by cause, classified as HolisticTraceAnalysis does it, from the trace JSON.
+
+    Each gap before a GPU event (kernel, copy, memset) on its stream is **host wait** when the CPU called the
+    CUDA runtime to launch that event only after the stream had run dry (the CPU was the bottleneck), **kernel
+    wait** when the gap is shorter than ``kernel_wait_us`` (launch overhead between back-to-back kernels), and
+    **other** otherwise. Columns: stream, idle_category, idle_ms, idle_share (of that stream's idle time).
+    """
+    trace = load_trace(trace)
+    raw = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+    if not any(e.get("cat") == "kernel" for e in raw):
+        raise NoDeviceEvents("this trace has no GPU kernels: idle time by cause needs a trace recorded on a GPU "
+                             "(see traces.reference_trace())")
+    launched_at = {e["args"]["correlation"]: float(e["ts"]) for e in raw
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = pd.DataFrame([{"stream": e.get("args", {}).get("stream", e.get("tid")), "ts": float(e["ts"]),
+                         "end": float(e["ts"]) + float(e.get("dur", 0.0)),
+                         "launch": launched_at.get(e.get("args", {}).get("correlation"), float("nan"))}
+                        for e in raw if e.get("cat") in GPU_CATEGORIES])
+    rows = []
+    for stream, events_on in gpu.sort_values("ts").groupby("stream", sort=True):
+        previous_end = events_on["end"].shift(1)
+        gap = (events_on["ts"] - previous_end).dropna()
+        host = (events_on["launch"] > previous_end).loc[gap.index]
+        category = pd.Series("other", index=gap.index)
+        category[~host & (gap < kernel_wait_us)] = "kernel_wait"
+        category[host] = "host_wait"
+        total = gap.sum()
+        for name in IDLE_CATEGORIES:
+            idle_us = gap[category == name].sum()
+            rows.append({"stream": stream, "idle_category": name, "idle_ms": idle_us / _US_PER_MS,
+                         "idle_share": idle_us / total if total > 0 else 0.0})
+    return pd.DataFrame(rows)
+
+
 def phase_times(trace, phases=PHASES) -> pd.DataFrame:
     """Per step, the CPU time spent in each ``record_function`` range named in ``phases``, and the rest ("other").
 
@@ -372,6 +411,9 @@ def hta_breakdown(trace) -> tuple[pd.DataFrame, pd.DataFrame]:
             analysis = TraceAnalysis(trace_files={0: str(path)}, trace_dir=tmp, include_last_profiler_step=True)
             temporal = analysis.get_temporal_breakdown(visualize=False)
             idle, _ = analysis.get_idle_time_breakdown(visualize=False)
+        except Exception as err:  # HTA's own failure on a trace it does not understand: say so in one line
+            raise TraceError(f"HolisticTraceAnalysis {why} could not analyse this trace ({type(err).__name__}: {err}); "
+                             "traces.idle_breakdown(trace) classifies idle time the same way from the trace JSON") from None
         finally:
             hta_log.setLevel(level)
     return temporal.reset_index(drop=True), idle.reset_index(drop=True)

@@ -241,9 +241,37 @@ def test_hta_breakdown_agrees_with_gpulab_on_the_hand_written_trace(gpu_trace_fi
     assert host_wait > 0  # the last kernel of each step is launched (300 µs) after stream 7 ran dry (at 470 µs)
 
 
-def test_hta_refuses_a_cpu_trace_with_a_clear_message(cpu_profile):
+def test_gpulabs_idle_breakdown_classifies_idle_time_as_hta_does(gpu_trace_file):
+    ours = traces.idle_breakdown(gpu_trace_file).set_index(["stream", "idle_category"])["idle_ms"]
+    _, hta_idle = traces.hta_breakdown(gpu_trace_file)
+    theirs = hta_idle.set_index(["stream", "idle_category"])["idle_time"] / 1e3
+    assert ours.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy())
+    assert ours.drop(theirs.index).eq(0).all()  # HTA leaves out categories with no gaps
+    # Stream 7, per step: the copy starts 20 µs after a kernel it was queued behind (kernel wait), the last kernel
+    # 130 µs after the copy although it was queued before (other); step 2's first kernel was launched after the
+    # stream ran dry (host wait, 300 µs). Stream 8 runs one kernel per step, launched after its last one ended.
+    expected = {(7, "host_wait"): 0.3, (7, "kernel_wait"): 0.04, (7, "other"): 0.26, (8, "host_wait"): 0.9}
+    assert {k: v for k, v in ours.items() if v} == pytest.approx(expected)
+    wider = traces.idle_breakdown(gpu_trace_file, kernel_wait_us=200).set_index(["stream", "idle_category"])["idle_ms"]
+    assert wider[(7, "kernel_wait")] == pytest.approx(0.3) and wider[(7, "other")] == 0
+
+
+def test_hta_and_idle_breakdown_refuse_a_cpu_trace_with_a_clear_message(cpu_profile):
     with pytest.raises(traces.NoDeviceEvents, match="HolisticTraceAnalysis needs GPU kernels"):
         traces.hta_breakdown(cpu_profile[1])
+    with pytest.raises(traces.NoDeviceEvents, match="needs a trace recorded on a GPU"):
+        traces.idle_breakdown(cpu_profile[1])
+
+
+def test_an_hta_failure_is_one_clear_error(gpu_trace_file, monkeypatch):
+    import hta.trace_analysis
+
+    def broken(*args, **kwargs):
+        raise KeyError("ts")
+
+    monkeypatch.setattr(hta.trace_analysis, "TraceAnalysis", broken)
+    with pytest.raises(traces.TraceError, match="could not analyse this trace .KeyError.*idle_breakdown"):
+        traces.hta_breakdown(gpu_trace_file)
 
 
 # ----- recording and shipping a GPU trace -----------------------------------------------------------------
