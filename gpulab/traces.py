@@ -222,7 +222,8 @@ def idle_breakdown(trace, kernel_wait_us: float = 30.0) -> pd.DataFrame:
     Each gap before a GPU event (kernel, copy, memset) on its stream is **host wait** when the CPU called the
     CUDA runtime to launch that event only after the stream had run dry (the CPU was the bottleneck), **kernel
     wait** when the gap is shorter than ``kernel_wait_us`` (launch overhead between back-to-back kernels), and
-    **other** otherwise. Columns: stream, idle_category, idle_ms, idle_share (of that stream's idle time).
+    **other** otherwise. Like HTA, it counts only GPU events launched by the end of the last ``ProfilerStep``.
+    Columns: stream, idle_category, idle_ms, idle_share (of that stream's idle time).
     """
     trace = load_trace(trace)
     raw = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
@@ -235,6 +236,9 @@ def idle_breakdown(trace, kernel_wait_us: float = 30.0) -> pd.DataFrame:
                          "end": float(e["ts"]) + float(e.get("dur", 0.0)),
                          "launch": launched_at.get(e.get("args", {}).get("correlation"), float("nan"))}
                         for e in raw if e.get("cat") in GPU_CATEGORIES])
+    step_ends = [float(e["ts"]) + float(e.get("dur", 0.0)) for e in raw if str(e.get("name")).startswith(STEP_PREFIX)]
+    if step_ends:  # as HTA: only what the CPU launched by the end of the last profiled step
+        gpu = gpu[gpu["launch"] <= max(step_ends)]
     rows = []
     for stream, events_on in gpu.sort_values("ts").groupby("stream", sort=True):
         previous_end = events_on["end"].shift(1)

@@ -252,6 +252,13 @@ def test_gpulabs_idle_breakdown_classifies_idle_time_as_hta_does(gpu_trace_file)
     # stream ran dry (host wait, 300 µs). Stream 8 runs one kernel per step, launched after its last one ended.
     expected = {(7, "host_wait"): 0.3, (7, "kernel_wait"): 0.04, (7, "other"): 0.26, (8, "host_wait"): 0.9}
     assert {k: v for k, v in ours.items() if v} == pytest.approx(expected)
+    late = gpu_trace()  # a kernel launched after the last profiled step ended: left out, as HTA does
+    late["traceEvents"] += [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 100, "ts": 3100, "dur": 5,
+         "args": {"correlation": 999}},
+        {"ph": "X", "cat": "kernel", "name": "late", "pid": 0, "tid": 7, "ts": 3200, "dur": 10,
+         "args": {"correlation": 999, "stream": 7}}]
+    pd.testing.assert_frame_equal(traces.idle_breakdown(late), traces.idle_breakdown(gpu_trace_file))
     wider = traces.idle_breakdown(gpu_trace_file, kernel_wait_us=200).set_index(["stream", "idle_category"])["idle_ms"]
     assert wider[(7, "kernel_wait")] == pytest.approx(0.3) and wider[(7, "other")] == 0
 
@@ -309,3 +316,39 @@ def test_reference_trace_says_when_none_ships_and_refuses_one_without_provenance
     (tmp_path / "06_trace.json").write_text(json.dumps(gpu_trace()))
     with pytest.raises(traces.TraceError, match="carries no provenance"):
         traces.reference_trace()
+
+
+# ----- a real GPU trace ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_a_real_gpu_profile_through_every_helper(tmp_path):
+    """On a GPU: kernels in the table and the trace, busy time per step within the step, HTA and gpulab's idle
+    classification agree on a trace torch itself wrote."""
+    path = tmp_path / "gpu.json"
+    model = models.TutorialCNN(width=4).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 3, 32, 32, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(path)), acc_events=True) as prof:
+        for _ in range(5):
+            with record_function("forward"):
+                loss = F.cross_entropy(model(x), y)
+            with record_function("backward"):
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with record_function("optimizer"):
+                optimizer.step()
+            loss.item()  # the CPU waits for the GPU: host-wait gaps at every step start
+            prof.step()
+    top = traces.top_ops(traces.op_table(prof), "self_device_ms", n=3)
+    assert (top["self_device_ms"] > 0).all()
+    busy = traces.gpu_busy(path)
+    assert len(busy) == 3 and (busy["kernels"] > 0).all()
+    assert ((busy["busy_ms"] > 0) & (busy["busy_ms"] <= busy["step_ms"])).all()
+    assert {"GPU kernel"} <= set(traces.timeline_spans(path)["kind"])
+    temporal, hta_idle = traces.hta_breakdown(path)
+    assert temporal["compute_time(us)"].iloc[0] > 0
+    ours = traces.idle_breakdown(path).set_index(["stream", "idle_category"])["idle_ms"]
+    theirs = hta_idle.set_index(["stream", "idle_category"])["idle_time"] / 1e3
+    assert ours.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy(), rel=1e-2, abs=1e-2)
