@@ -3,6 +3,7 @@ the GPU-side code (busy/idle per step, timelines, HolisticTraceAnalysis, recordi
 
 import gzip
 import json
+import sys
 
 import matplotlib
 import pandas as pd
@@ -268,6 +269,14 @@ def test_hta_and_idle_breakdown_refuse_a_cpu_trace_with_a_clear_message(cpu_prof
         traces.hta_breakdown(cpu_profile[1])
     with pytest.raises(traces.NoDeviceEvents, match="needs a trace recorded on a GPU"):
         traces.idle_breakdown(cpu_profile[1])
+
+
+def test_without_hta_the_helpers_say_what_to_install(gpu_trace_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hta", None)  # as if it were not installed
+    assert traces.hta_available() == (False, "HolisticTraceAnalysis is not installed: pip install holistictraceanalysis")
+    with pytest.raises(traces.TraceError, match="pip install holistictraceanalysis"):
+        traces.hta_breakdown(gpu_trace_file)
+    assert len(traces.idle_breakdown(gpu_trace_file)) == 6  # gpulab's own classification needs no HTA
 
 
 def test_an_hta_failure_is_one_clear_error(gpu_trace_file, monkeypatch):
