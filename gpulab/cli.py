@@ -163,6 +163,10 @@ def _grade(args) -> int:
         print("\n" + totals(grades).to_string())
     for path in write(grades, args.out):
         print(f"wrote {path}")
+    skipped = grades.loc[grades["message"].str.startswith("not graded: installed files changed"), "notebook"].unique()
+    if len(skipped):
+        print(f"warning: gpulab's installed files changed during grading; {len(skipped)} notebook(s) after that were "
+              "not graded: reinstall gpulab and grade them again", file=sys.stderr)
     unrunnable = grades[(grades["points"] == 0) & ~grades["message"].str.match(r"(correct|wrong|not attempted|not checked)")]
     return 1 if len(unrunnable) else 0
 

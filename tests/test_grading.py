@@ -158,7 +158,7 @@ def test_a_correct_notebook_after_hostile_ones_gets_full_marks(hostile_grades):
     assert hostile_grades["good"]["passed"].all(), hostile_grades["good"].to_string()
 
 
-def test_a_notebook_that_changes_the_installed_package_spoils_the_rest(tmp_path, installed):
+def test_a_notebook_that_changes_the_installed_package_spoils_the_rest(tmp_path, installed, capsys):
     lesson = installed / "questions" / "lesson00.py"
     tamper = _notebook(tmp_path / "00_tamper.ipynb", f"open({str(lesson)!r}, 'a').write('\\nq1.checker = str\\n')")
     after = tmp_path / "after" / "00_setup_and_diagnostics.ipynb"
@@ -166,9 +166,11 @@ def test_a_notebook_that_changes_the_installed_package_spoils_the_rest(tmp_path,
     after.write_bytes((ROOT / "exercises" / after.name).read_bytes())
     original = lesson.read_bytes()
     try:
-        grades = grade([tamper, after])
+        status = cli.main(["grade", str(tamper), str(after), "--out", str(tmp_path / "grades")])
     finally:
         lesson.write_bytes(original)
+    assert status == 1 and "reinstall gpulab and grade them again" in capsys.readouterr().err
+    grades = pd.read_csv(tmp_path / "grades" / "grades.csv")
     first, second = grades[grades["notebook"] == str(tamper)], grades[grades["notebook"] == str(after)]
     assert (grades["points"] == 0).all()
     assert first["message"].str.contains("installed files changed while this notebook ran").all()
