@@ -256,12 +256,17 @@ def _read(path: Path) -> bytes | str:
 def _not_a_notebook(data: bytes) -> str | None:
     """Why ``data`` is not a notebook nbformat can run, in one line (None when it is one)."""
     try:
-        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
-        nbformat.validate(nb)
+        text = data.decode("utf-8")
+        json.loads(text)
     except UnicodeDecodeError:
         return "the file is not UTF-8 text"
-    except Exception as err:  # nbformat raises many kinds (JSON, schema, version, missing keys)
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'not a notebook'}"[:_MESSAGE_LIMIT]
+    except ValueError as err:
+        return f"the file is not JSON ({err})"[:_MESSAGE_LIMIT]
+    try:
+        nbformat.validate(nbformat.reads(text, as_version=4))
+    except Exception as err:  # nbformat raises many kinds (schema, version, missing keys)
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"the file is JSON but not a Jupyter notebook ({detail})"[:_MESSAGE_LIMIT]
     return None
 
 
