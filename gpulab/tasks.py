@@ -1,13 +1,18 @@
-"""Learnable tasks that need nothing downloaded, and the small model the lessons train on them.
+"""Learnable tasks that need nothing downloaded, the small model the lessons train on them, and the peak
+memory of a training run measured from a clean state.
 
 The teacher task labels Gaussian points with a fixed random "teacher" network, so the right answer is
 known: a big enough student can reach 100% test accuracy, and chance is about 1 / classes.
 """
 
+import gc
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .device import get_device
+from .memory import MemoryTracker
 
 
 @dataclass
@@ -68,3 +73,83 @@ def student_mlp(dim: int, width: int, depth: int, classes: int) -> nn.Sequential
         layers += [nn.Linear(inputs, width), nn.LayerNorm(width), nn.GELU()]
         inputs = width
     return nn.Sequential(*layers, nn.Linear(inputs, classes))
+
+
+def training_peak_memory(start_run, step, *, steps: int = 2, device=None) -> int:
+    """The most memory a fresh training run allocates on top of what was allocated before it, in bytes.
+
+    ``start_run()`` builds everything one run needs (model, optimizer, scaler, ...) and returns it; ``step(run)``
+    takes one training step. Measured from a clean state, so that the result does not depend on what ran before:
+    a throw-away run takes one step first (one-time allocations of the process, such as cuBLAS's workspace, are
+    made there and count for no run); then garbage is collected and the CUDA cache emptied, the baseline read, a
+    fresh run built and stepped once (optimizers create their state at the first step), the peak statistics reset,
+    and ``steps`` steps measured. The result holds the run's weights, gradients, optimizer state and activations.
+    On a GPU it is the caching allocator's count; elsewhere a ``MemoryTracker`` counts the bytes of the tensors.
+    """
+    device = get_device(device)
+    allocator = _CudaAllocator(device) if device.type == "cuda" else _TrackedAllocator()
+    with allocator:
+        step(start_run())  # throw-away: one-time allocations happen here
+        allocator.clean()
+        base = allocator.allocated()
+        run = start_run()
+        step(run)  # warm-up: optimizer state, autotuning
+        allocator.reset_peak()
+        for _ in range(steps):
+            step(run)
+        return allocator.peak() - base
+
+
+class _CudaAllocator:
+    """PyTorch's caching-allocator statistics of one GPU, read after the queued work has finished."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def clean(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class _TrackedAllocator:
+    """A MemoryTracker in the allocator's role: the bytes of the tensors created since it was entered."""
+
+    def __init__(self):
+        self.tracker = MemoryTracker()
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.tracker.__exit__(*exc)
+
+    def allocated(self) -> int:
+        return self.tracker.current
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def peak(self) -> int:
+        return self.tracker.peak
+
+    def clean(self) -> None:
+        gc.collect()

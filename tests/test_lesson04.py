@@ -10,6 +10,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from gpulab import plots, precision, tasks  # noqa: E402
 from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____  # noqa: E402
+from gpulab.memory import MemoryTracker  # noqa: E402
 from gpulab.questions.lesson04 import q1, q2, q3, q4  # noqa: E402
 
 from .conftest import shown_solution  # noqa: E402
@@ -176,6 +177,78 @@ def test_teacher_task_is_deterministic_and_learnable():
     assert after > 0.45 and after > 2 * task.chance() and after > before + 0.2
 
 
+# ---- peak memory per precision, from a clean state -----------------------------------------------------------
+
+
+def _memory_runs(device="cpu"):
+    """start(precision) and step(run) for training a small MLP with AdamW, as the lesson does. The first step of
+    the process also allocates a one-time 1 MiB workspace, as cuBLAS does at its first matmul."""
+    workspace = []
+    x, y = torch.randn(32, 32, device=device), torch.randint(10, (32,), device=device)
+
+    def start(p):
+        torch.manual_seed(0)
+        model = tasks.student_mlp(32, 64, 2, 10).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"fp32": None, "bf16": torch.bfloat16}[p]
+
+    def step(run):
+        model, opt, amp_dtype = run
+        if not workspace:
+            workspace.append(torch.empty(2**20, dtype=torch.uint8, device=device))
+        with torch.autocast(torch.device(device).type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return start, step, workspace
+
+
+def _clean_peaks(order, device="cpu"):
+    start, step, _ = _memory_runs(device)
+    peaks, kept = {}, []
+    for p in order:
+        peaks[p] = tasks.training_peak_memory(lambda p=p: start(p), step, device=device)
+        kept.append(start(p))  # the notebook keeps earlier runs alive: that must not change the next measurement
+    return peaks
+
+
+def _baseline_first_peaks(order):
+    """The old measurement: baseline read before each run is built, while the previous run is still alive."""
+    start, step, _ = _memory_runs()
+    peaks = {}
+    with MemoryTracker() as card:  # the CPU's stand-in for the CUDA allocator, over the whole loop
+        run = None
+        for p in order:
+            base = card.current
+            card.reset_peak()
+            run = start(p)  # the previous run's AdamW state is freed here, after the baseline
+            for _ in range(3):
+                step(run)
+            peaks[p] = card.peak - base
+    return peaks
+
+
+def test_peak_memory_per_precision_does_not_depend_on_run_order():
+    assert _clean_peaks(["fp32", "bf16"]) == _clean_peaks(["bf16", "fp32"])
+    old = _baseline_first_peaks(["fp32", "bf16"]), _baseline_first_peaks(["bf16", "fp32"])
+    assert old[0] != old[1]  # the old way did depend on it: this test can tell
+
+
+def test_peak_memory_counts_weights_gradients_optimizer_state_and_activations():
+    start, step, workspace = _memory_runs()
+    peak = tasks.training_peak_memory(lambda: start("fp32"), step)
+    weights = sum(p.numel() * 4 for p in start("fp32")[0].parameters())
+    assert peak > 4 * weights  # weights, gradients, AdamW's two moments, and activations on top
+    assert peak < 2**20  # ... but not the one-time 1 MiB workspace: the throw-away run made it
+    assert workspace
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_the_gpu_does_not_depend_on_run_order():
+    assert _clean_peaks(["fp32", "bf16"], "cuda") == _clean_peaks(["bf16", "fp32"], "cuda")
+
+
 # ---- the roofline figure ---------------------------------------------------------------------------------------
 
 
@@ -201,13 +274,17 @@ def test_roofline_draws_points_roofs_and_memory_slope():
 def test_q1_tflops():
     M, N, K, seconds = 384, 256, 1024, 0.004
     assert status(q1, 2 * M * N * K / seconds / 1e12, M, N, K, seconds) == CORRECT
+    assert status(q1, torch.tensor(2.0 * M * N * K) / seconds / 1e12, M, N, K, seconds) == CORRECT  # a 0-d tensor
     assert status(q1, M * N * K / seconds / 1e12, M, N, K, seconds) == WRONG
     assert "2 FLOPs" in q1.last.message
     assert status(q1, 2 * M * N * K / seconds / 1e9, M, N, K, seconds) == WRONG
     assert "GFLOP/s" in q1.last.message
     assert status(q1, 2 * M**3 / seconds / 1e12, M, N, K, seconds) == WRONG
+    assert "not square" in q1.last.message
     assert status(q1, ____, M, N, K, seconds) == NOT_ATTEMPTED
 
+
+# ---- q2: a training step, observed ----------------------------------------------------------------------------
 
 train_step = shown_solution(q2, "train_step", torch=torch)
 
@@ -219,7 +296,7 @@ def step_without_scaler_step(model, optimizer, scaler, x, y, device_type, dtype)
     scaler.scale(loss).backward()
     optimizer.step()
     scaler.update()
-    return loss
+    return loss.detach()
 
 
 def step_backward_unscaled(model, optimizer, scaler, x, y, device_type, dtype):
@@ -230,7 +307,7 @@ def step_backward_unscaled(model, optimizer, scaler, x, y, device_type, dtype):
     loss.backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss
+    return loss.detach()
 
 
 def step_without_autocast(model, optimizer, scaler, x, y, device_type, dtype):
@@ -239,7 +316,7 @@ def step_without_autocast(model, optimizer, scaler, x, y, device_type, dtype):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss
+    return loss.detach()
 
 
 def step_without_zero_grad(model, optimizer, scaler, x, y, device_type, dtype):
@@ -248,7 +325,7 @@ def step_without_zero_grad(model, optimizer, scaler, x, y, device_type, dtype):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss
+    return loss.detach()
 
 
 def step_without_update(model, optimizer, scaler, x, y, device_type, dtype):
@@ -257,7 +334,38 @@ def step_without_update(model, optimizer, scaler, x, y, device_type, dtype):
     optimizer.zero_grad()
     scaler.scale(loss).backward()
     scaler.step(optimizer)
-    return loss
+    return loss.detach()
+
+
+def step_with(autocast_args, finish=lambda loss: loss.detach()):
+    """The right step, except for the autocast it opens and what it returns."""
+    def step(model, optimizer, scaler, x, y, device_type, dtype):
+        with torch.autocast(**autocast_args(device_type, dtype)):
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return finish(loss)
+    return step
+
+
+def print_loss(loss):
+    print(f"loss {loss:.3f}")
+    return loss.detach()
+
+
+def unusual_but_right_step(model, optimizer, scaler, x, y, device_type, dtype):
+    """Keyword arguments, torch.amp.autocast, zero_grad before the forward pass, a detached loss."""
+    optimizer.zero_grad()
+    with torch.amp.autocast(device_type=device_type, dtype=dtype, enabled=True):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+    scaled = scaler.scale(loss)
+    scaled.backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach().clone()
 
 
 def unfinished_step(model, optimizer, scaler, x, y, device_type, dtype):
@@ -270,6 +378,10 @@ def unfinished_step(model, optimizer, scaler, x, y, device_type, dtype):
     (step_without_autocast, "torch.autocast"),
     (step_without_zero_grad, "zero_grad"),
     (step_without_update, "scaler.update()"),
+    (step_with(lambda d, t: dict(device_type=d, dtype=torch.bfloat16)), "use the `dtype` you are given"),
+    (step_with(lambda d, t: dict(device_type="cpu", dtype=t)), "you ignored `device_type`"),
+    (step_with(lambda d, t: dict(device_type=d, dtype=t), finish=lambda loss: loss.item()), "item"),
+    (step_with(lambda d, t: dict(device_type=d, dtype=t), finish=print_loss), "__format__"),
 ])
 def test_q2_rejects_plausible_wrong_steps(wrong, says):
     assert status(q2, wrong) == WRONG
@@ -278,6 +390,7 @@ def test_q2_rejects_plausible_wrong_steps(wrong, says):
 
 def test_q2_train_step():
     assert status(q2, train_step) == CORRECT
+    assert status(q2, unusual_but_right_step) == CORRECT
     assert status(q2, unfinished_step) == NOT_ATTEMPTED
 
 
@@ -291,9 +404,19 @@ def test_q2_solution_trains_with_a_real_gradscaler():
     assert losses[-1] < losses[0]
 
 
+# ---- q3: fp16 underflow ---------------------------------------------------------------------------------------
+
+
 def underflow_share(grads, scale):
     nonzero = grads != 0
     return (((grads * scale).half() == 0) & nonzero).sum().item() / nonzero.sum().item()
+
+
+def underflow_share_unusual(grads, scale):
+    """Unusual but right: count with torch.count_nonzero, cast with .to(), return a 0-d tensor."""
+    nonzero = torch.count_nonzero(grads)
+    lost = torch.count_nonzero((grads * scale).to(torch.float16) == 0) - (grads.numel() - nonzero)
+    return lost / nonzero
 
 
 def share_with_exact_zeros(grads, scale):
@@ -313,25 +436,116 @@ def share_below_smallest_subnormal(grads, scale):
 
 def test_q3_underflow_share():
     assert status(q3, underflow_share) == CORRECT
+    assert status(q3, underflow_share_unusual) == CORRECT
     assert status(q3, share_with_exact_zeros) == WRONG
     assert "non-zero" in q3.last.message
     assert status(q3, share_below_smallest_normal) == WRONG
     assert "subnormal" in q3.last.message
     assert status(q3, share_below_smallest_subnormal) == WRONG  # fp16 rounds, it does not truncate
+    assert "rounds to the nearest" in q3.last.message
     assert status(q3, ____) == NOT_ATTEMPTED
 
 
-def choose_precision(compute_capability):
-    return (torch.bfloat16, False) if compute_capability >= (8, 0) else (torch.float16, True)
+# ---- q4: AMP with gradient accumulation and clipping ----------------------------------------------------------
+
+accumulation_step = shown_solution(q4, "accumulation_step", torch=torch)
 
 
-def test_q4_choose_precision():
-    assert status(q4, choose_precision) == CORRECT
-    assert status(q4, lambda cc: ("bf16", False) if cc[0] >= 8 else ("fp16", True)) == CORRECT
-    assert status(q4, lambda cc: (torch.bfloat16, False)) == WRONG  # bf16 on a T4
-    assert "emulate" in q4.last.message
-    assert status(q4, lambda cc: (torch.float16, True)) == WRONG  # fp16 where bf16 is native
-    assert status(q4, lambda cc: (torch.bfloat16, True) if cc >= (8, 0) else (torch.float16, True)) == WRONG
-    assert "no GradScaler" in q4.last.message
-    assert status(q4, lambda cc: (torch.bfloat16, False) if cc >= (8, 0) else (torch.float16, False)) == WRONG
-    assert status(q4, ____) == NOT_ATTEMPTED
+def accumulation(*, clip="after unscale", divide=True, zero="before", step_inside=False, update_inside=False,
+                 read_loss=False, one_backward=False, autocast_dtype=None, unscale_inside=False):
+    """The recipe with one thing changed, as a learner might get it wrong."""
+    def step(model, optimizer, scaler, micro_batches, max_norm, device_type, dtype):
+        k = len(micro_batches)
+        if zero == "before":
+            optimizer.zero_grad()
+        losses, total = [], 0
+        for x, y in micro_batches:
+            if zero == "inside":
+                optimizer.zero_grad()
+            with torch.autocast(device_type, dtype=autocast_dtype or dtype):
+                loss = F.cross_entropy(model(x), y)
+            if read_loss:
+                losses.append(loss.item())
+            else:
+                losses.append(loss.detach())
+            if one_backward:
+                total = total + loss / k
+                continue
+            scaler.scale(loss / k if divide else loss).backward()
+            if unscale_inside:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if step_inside:  # a training step per micro-batch
+                scaler.step(optimizer)
+                scaler.update()
+            elif update_inside:
+                scaler.update()
+        if one_backward:
+            scaler.scale(total).backward()
+        if clip == "before unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.unscale_(optimizer)
+        elif clip == "without unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        elif clip == "after unscale" and not unscale_inside and not step_inside:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if not step_inside:
+            scaler.step(optimizer)
+        if not update_inside and not step_inside:
+            scaler.update()
+        return torch.tensor(losses).mean() if read_loss else torch.stack(losses).mean()
+    return step
+
+
+def accumulation_unusual(model, optimizer, scaler, micro_batches, max_norm, device_type, dtype):
+    """Unusual but right: divide after scaling, clip with foreach, sum the losses into a tensor."""
+    for p in model.parameters():
+        p.grad = None
+    total = torch.zeros(())
+    for x, y in micro_batches:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        (scaler.scale(loss) / len(micro_batches)).backward()
+        total += loss.detach().float()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
+    scaler.step(optimizer)
+    scaler.update()
+    return total / len(micro_batches)
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (accumulation(clip="before unscale"), "clipped the *scaled* gradients"),
+    (accumulation(clip="without unscale"), "clipped the *scaled* gradients"),
+    (accumulation(clip="never"), "not clipped"),
+    (accumulation(unscale_inside=True), "called again before `scaler.update()`"),
+    (accumulation(divide=False), "too large"),
+    (accumulation(zero="inside"), "only the last micro-batch"),
+    (accumulation(zero="never"), "previous step"),
+    (accumulation(step_inside=True), "stepped 4 times"),
+    (accumulation(update_inside=True), "`scaler.update()` once"),
+    (accumulation(read_loss=True), "item"),
+    (accumulation(one_backward=True), "keeps every micro-batch's activations alive"),
+    (accumulation(autocast_dtype=torch.float16), "use the `dtype` you are given"),
+])
+def test_q4_rejects_plausible_wrong_accumulation(wrong, says):
+    assert status(q4, wrong) == WRONG
+    assert says in q4.last.message
+
+
+def test_q4_accumulation_step():
+    assert status(q4, accumulation_step) == CORRECT
+    assert status(q4, accumulation()) == CORRECT  # the test's own recipe, unchanged
+    assert status(q4, accumulation_unusual) == CORRECT
+    assert status(q4, unfinished_step) == NOT_ATTEMPTED
+
+
+def test_q4_solution_trains_with_a_real_gradscaler():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu")
+    micro = [(torch.randn(8, 4), torch.randint(2, (8,))) for _ in range(4)]
+    losses = [accumulation_step(model, opt, scaler, micro, 1.0, "cpu", torch.bfloat16).item() for _ in range(20)]
+    assert losses[-1] < losses[0]

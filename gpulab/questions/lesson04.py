@@ -1,13 +1,18 @@
 """Lesson 04 (mixed precision): TFLOP/s of a matmul, a training step with autocast and a GradScaler,
-fp16 underflow, and the precision to choose for a GPU."""
+fp16 underflow, and AMP with gradient accumulation and clipping (observed: autocast dtypes, host reads, the
+scaler's calls, the gradients the optimizer sees)."""
 
 import copy
+import math
 import numbers
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from ..check import Question, Wrong, expect_close
+from ..models import seeded
+from ..observe import observe
 from .lesson00 import _positive
 
 # ---- q1: TFLOP/s from a timing -------------------------------------------------------------------------------
@@ -42,24 +47,36 @@ q1 = Question(
 
 
 class _SpyScaler:
-    """Stands in for torch.amp.GradScaler and records how the training step uses it."""
+    """Stands in for torch.amp.GradScaler and records how the training step uses it.
+
+    Like the real one it multiplies by its scale, unscales the gradients once (in ``unscale_`` or else in ``step``),
+    refuses a second ``unscale_`` before ``update``, and steps the optimizer. It reads no value back to Python,
+    so a check can count the host reads of the learner's own code.
+    """
 
     def __init__(self, optimizer, scale: float = 1024.0):
         self.scale_value, self.optimizer = scale, optimizer
-        self.calls, self.scaled_loss, self.raw_grads, self.unscaled = [], None, None, False
+        self.calls, self.scaled_losses = [], []
+        self.raw_grads = self.grads_at_step = None
+        self.unscaled = False
 
     def scale(self, loss):
         self.calls.append("scale")
-        self.scaled_loss = loss * self.scale_value
-        return self.scaled_loss
+        self.scaled_losses.append(loss.detach() * self.scale_value)
+        return loss * self.scale_value
 
     def unscale_(self, optimizer):
+        if self.unscaled:  # the real GradScaler raises a RuntimeError here
+            raise Wrong("`scaler.unscale_(optimizer)` was called again before `scaler.update()` (a real GradScaler "
+                        "raises a RuntimeError): unscale once per optimizer step, after the last backward")
         self.calls.append("unscale_")
         self._unscale()
 
     def step(self, optimizer, *args, **kwargs):
         self.calls.append("step")
-        self._unscale()
+        if not self.unscaled:
+            self._unscale()
+        self.grads_at_step = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
         self.optimizer.inside_scaler = True
         try:
             return optimizer.step(*args, **kwargs)
@@ -68,6 +85,7 @@ class _SpyScaler:
 
     def update(self, new_scale=None):
         self.calls.append("update")
+        self.unscaled = False
 
     def get_scale(self) -> float:
         return self.scale_value
@@ -75,10 +93,11 @@ class _SpyScaler:
     def is_enabled(self) -> bool:
         return True
 
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _unscale(self):
-        if self.unscaled:
-            return
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._params()
         self.raw_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         for p in params:
             if p.grad is not None:
@@ -99,43 +118,107 @@ class _SpySGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _reference_step(model, x, y, dtype, lr):
-    """Loss and gradients of a correct step (autocast forward, fp32 loss), and the weights after it."""
+def _small_model(device="cpu") -> torch.nn.Module:
+    with seeded(0):
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device)
+
+
+def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(4, (n,), generator=g)
+
+
+def _spied_run(fn, model, *args, device_type, dtype, lr=0.1, junk=100.0):
+    """Run a learner's step on ``model`` with a spy scaler and optimizer, the gradients pre-filled with ``junk``,
+    while observing it; returns (its result, what was observed, the scaler, the optimizer)."""
+    optimizer = _SpySGD(model.parameters(), lr=lr)
+    scaler = _SpyScaler(optimizer)
+    for p in model.parameters():  # left over from an earlier step: a correct step clears them first
+        p.grad = torch.full_like(p, junk)
+    with warnings.catch_warnings():  # autocast for a device type that is not here warns, and is a no-op
+        warnings.filterwarnings("ignore", message=".*(not available|Disabling autocast)", category=UserWarning)
+        with observe() as seen:
+            result = fn(model, optimizer, scaler, *args, device_type, dtype)
+    return result, seen, scaler, optimizer
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_autocast(seen, device_type: str, dtype, expected) -> None:
+    """The matrix products ran in ``expected`` (what autocast(device_type, dtype) gives these tensors)."""
+    dtypes = set(seen.product_dtypes)
+    if not dtypes:
+        raise Wrong("your step never ran the model: compute `loss = F.cross_entropy(model(x), y)`")
+    if dtypes == {expected}:
+        return
+    got = ", ".join(sorted(_name(d) for d in dtypes))
+    if expected == torch.float32:
+        raise Wrong(f"asked for autocast on '{device_type}' with tensors on the CPU, your matrix products ran in {got}: "
+                    f"you ignored `device_type` (autocast for '{device_type}' leaves CPU operations alone). Use "
+                    "`torch.autocast(device_type, dtype=dtype)` with the arguments you are given")
+    if dtypes == {torch.float32}:
+        raise Wrong(f"your matrix products ran in float32, not {_name(expected)}: run the forward pass inside "
+                    "`with torch.autocast(device_type, dtype=dtype):`")
+    raise Wrong(f"asked for {_name(dtype)}, your matrix products ran in {got}: use the `dtype` you are given, "
+                "`torch.autocast(device_type, dtype=dtype)`")
+
+
+def _check_no_host_reads(seen, what: str) -> None:
+    reads = seen.host_reads + seen.syncs
+    if reads:
+        raise Wrong(f"{what} read values back to Python ({', '.join(dict.fromkeys(reads))}): on a GPU each read makes "
+                    "the host wait for all queued work. Keep the loss a tensor (return `loss.detach()`) and read it "
+                    "only when you log, every few hundred steps")
+
+
+def _check_dtype_and_device(fn, make_args) -> None:
+    """Autocast follows the requested dtype and device type: fp16 on the CPU, autocast for 'cuda' leaves CPU
+    operations in fp32, and where a GPU exists fp16 on the GPU. ``make_args(device)``: fn's arguments there."""
+    probes = [("cpu", torch.float16, torch.float16, "cpu"), ("cuda", torch.bfloat16, torch.float32, "cpu")]
+    if torch.cuda.is_available():
+        probes.append(("cuda", torch.float16, torch.float16, "cuda"))
+    for device_type, dtype, expected, where in probes:
+        _, seen, _, _ = _spied_run(fn, _small_model(where), *make_args(where), device_type=device_type, dtype=dtype)
+        _check_autocast(seen, device_type, dtype, expected)
+        _check_no_host_reads(seen, "your step")
+
+
+def _reference_grads(model, micro_batches, dtype):
+    """Gradients of the mean loss over micro-batches (autocast forward on the CPU), and the mean loss."""
     model = copy.deepcopy(model)
-    with torch.autocast("cpu", dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        after = [p - lr * g for p, g in zip(model.parameters(), grads)]
-    return loss.detach(), grads, after
+    losses = []
+    for x, y in micro_batches:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    return [p.grad.detach().clone() for p in model.parameters()], torch.stack(losses).float().mean()
+
+
+def _close(grads, expected, rtol=1e-2, atol=1e-4) -> bool:
+    return all(g is not None and torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol) for g, e in zip(grads, expected))
+
+
+def _norm(grads) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
 
 
 def _check_train_step(train_step) -> str:
     if not callable(train_step):
         raise Wrong("pass your function itself: `q2.check(train_step)`")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    x, y, dtype, lr = torch.randn(16, 8), torch.randint(4, (16,)), torch.bfloat16, 0.1
-    ref_loss, ref_grads, ref_after = _reference_step(model, x, y, dtype, lr)
-
-    optimizer = _SpySGD(model.parameters(), lr=lr)
-    scaler = _SpyScaler(optimizer)
-    for p in model.parameters():  # left over from an earlier step: a correct step clears them first
-        p.grad = torch.full_like(p, 100.0)
-    seen = []
-    model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    loss = train_step(model, optimizer, scaler, x, y, "cpu", dtype)
-
-    if not seen:
-        raise Wrong("your step never ran the model: compute `loss = F.cross_entropy(model(x), y)`")
-    if seen[0] != dtype:
-        raise Wrong(f"the model's first layer ran in {seen[0]}, not {dtype}: run the forward pass inside "
-                    "`with torch.autocast(device_type, dtype=dtype):`")
+    model = _small_model()
+    (x, y), dtype, lr = _batch(16, seed=0), torch.bfloat16, 0.1
+    ref_grads, ref_loss = _reference_grads(model, [(x, y)], dtype)
+    with torch.no_grad():
+        ref_after = [p - lr * g for p, g in zip(model.parameters(), ref_grads)]
+    loss, seen, scaler, optimizer = _spied_run(train_step, model, x, y, device_type="cpu", dtype=dtype, lr=lr)
+    _check_autocast(seen, "cpu", dtype, dtype)
+    _check_no_host_reads(seen, "your step")
     if "scale" not in scaler.calls:
         raise Wrong("the loss was never scaled: call `scaler.scale(loss).backward()`")
-    if scaler.scaled_loss is None or not torch.allclose(scaler.scaled_loss.detach().float() / scaler.scale_value,
-                                                        ref_loss.float(), rtol=1e-3):
+    if not torch.allclose(scaler.scaled_losses[0].float() / scaler.scale_value, ref_loss, rtol=1e-3):
         raise Wrong("scaler.scale() got a different loss than `F.cross_entropy(model(x), y)` under autocast")
     if optimizer.direct_steps:
         raise Wrong("you called optimizer.step() yourself: call `scaler.step(optimizer)` instead, which unscales "
@@ -149,37 +232,34 @@ def _check_train_step(train_step) -> str:
         raise Wrong("some weights had no gradient when the optimizer stepped: call `.backward()` on the scaled "
                     "loss before `scaler.step(optimizer)`")
     scaled = [r * scaler.scale_value for r in ref_grads]
-
-    def raw_is(expected) -> bool:
-        return all(torch.allclose(g, e, rtol=1e-2, atol=1e-3) for g, e in zip(raw, expected))
-
-    if raw_is([e + 100.0 for e in scaled]) or raw_is([r + 100.0 for r in ref_grads]):
+    if _close(raw, [e + 100.0 for e in scaled]) or _close(raw, [r + 100.0 for r in ref_grads]):
         raise Wrong("the gradients of the previous step were added to the new ones: call "
                     "`optimizer.zero_grad()` before the backward pass")
-    if raw_is(ref_grads):
+    if _close(raw, ref_grads):
         raise Wrong("backward() ran on the unscaled loss: call `scaler.scale(loss).backward()`, so that small "
                     "fp16 gradients survive")
-    if not raw_is(scaled):
+    if not _close(raw, scaled):
         raise Wrong("the gradients at the optimizer step are not those of the scaled loss: zero the gradients, "
                     "then `scaler.scale(loss).backward()`, then `scaler.step(optimizer)`")
     if "update" not in scaler.calls or scaler.calls.index("update") < scaler.calls.index("step"):
         raise Wrong("call `scaler.update()` after `scaler.step(optimizer)`: it adapts the scale for the next step")
     if not all(torch.allclose(p, a, rtol=1e-3, atol=1e-5) for p, a in zip(model.parameters(), ref_after)):
         raise Wrong("the weights after your step differ from one SGD step on the unscaled gradients")
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        loss = loss.detach().item()
-    if not isinstance(loss, numbers.Real):
-        raise Wrong(f"return the loss (a tensor or a number), got {type(loss).__name__}")
-    expect_close(loss, ref_loss.item(), rel=1e-2, what="the returned loss")
-    return "autocast forward, scaled backward, scaler.step(optimizer), scaler.update(): the whole recipe."
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise Wrong(f"return the loss as a one-element tensor (`loss` or `loss.detach()`), got {type(loss).__name__}")
+    expect_close(loss.detach().float(), ref_loss.item(), rel=1e-2, what="the returned loss")
+    _check_dtype_and_device(train_step, lambda where: (x.to(where), y.to(where)))
+    return ("autocast(device_type, dtype) forward, scaled backward, scaler.step(optimizer), scaler.update(), and no "
+            "value read back to Python: the whole recipe.")
 
 
 q2 = Question(
     lesson="04", number=2, title="A training step with autocast and a GradScaler",
     checker=_check_train_step,
     hint_text="Four pieces, in this order: the forward pass and the loss inside `with torch.autocast(device_type, "
-              "dtype=dtype):`; `optimizer.zero_grad()`; `scaler.scale(loss).backward()`; then "
-              "`scaler.step(optimizer)` (never `optimizer.step()` yourself) and `scaler.update()`.",
+              "dtype=dtype):` (the arguments, not fixed values); `optimizer.zero_grad()`; "
+              "`scaler.scale(loss).backward()`; then `scaler.step(optimizer)` (never `optimizer.step()` yourself) and "
+              "`scaler.update()`. Return `loss.detach()`: no `.item()`, no `print(loss)`.",
     solution_text="""
 def train_step(model, optimizer, scaler, x, y, device_type, dtype):
     with torch.autocast(device_type, dtype=dtype):
@@ -188,9 +268,10 @@ def train_step(model, optimizer, scaler, x, y, device_type, dtype):
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss
+    return loss.detach()
 """,
 )
+
 
 # ---- q3: the share of gradients that underflow in fp16 ------------------------------------------------------
 
@@ -254,52 +335,134 @@ def underflow_share(grads, scale):
 """,
 )
 
-# ---- q4: the precision to choose for a GPU ------------------------------------------------------------------
-
-_GPUS = {(7, 0): "V100", (7, 5): "T4", (8, 0): "A100", (8, 6): "A10 / RTX 3090", (8, 9): "L4",
-         (9, 0): "H100", (10, 0): "B200", (12, 0): "RTX 50xx"}
-_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-          "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
-          "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+# ---- q4: AMP with gradient accumulation and clipping -------------------------------------------------------
 
 
-def _check_choose_precision(choose_precision) -> str:
-    if not callable(choose_precision):
-        raise Wrong("pass your function itself: `q4.check(choose_precision)`")
-    for cc, gpu in _GPUS.items():
-        answer = choose_precision(cc)
-        if not (isinstance(answer, tuple) and len(answer) == 2):
-            raise Wrong(f"return a pair (dtype, use_scaler), e.g. (torch.float16, True); got {answer!r}")
-        dtype, use_scaler = answer
-        key = dtype.lower() if isinstance(dtype, str) else dtype
-        name = _NAMES.get(key) if isinstance(key, (str, torch.dtype)) else None
-        if name is None:
-            raise Wrong(f"for {gpu} the dtype {dtype!r} is not one of torch.float16, torch.bfloat16")
-        where = f"{gpu} (compute capability {cc[0]}.{cc[1]})"
-        native_bf16 = cc >= (8, 0)
-        if name == "fp32":
-            raise Wrong(f"{where} has tensor cores: choose a 16-bit autocast dtype, not fp32")
-        if name == "bf16" and not native_bf16:
-            raise Wrong(f"{where} has no native bf16 (it needs 8.0+): PyTorch would emulate it, slowly. "
-                        "Use fp16 there")
-        if name == "fp16" and native_bf16:
-            raise Wrong(f"{where} supports bf16 natively: prefer it, it has fp32's range and needs no GradScaler")
-        if bool(use_scaler) != (name == "fp16"):
-            raise Wrong(f"for {where} with {name}: " + (
-                "fp16 needs a GradScaler, or small gradients underflow to zero" if name == "fp16"
-                else "bf16 has fp32's exponent range, so it needs no GradScaler"))
-    return "bf16 without a scaler from compute capability 8.0, fp16 with a GradScaler before."
+def _micro_batches(k: int = 4, size: int = 8, seed: int = 1) -> list:
+    return [_batch(size, seed=seed + i) for i in range(k)]
+
+
+def _check_accumulation_step(accumulation_step) -> str:
+    if not callable(accumulation_step):
+        raise Wrong("pass your function itself: `q4.check(accumulation_step)`")
+    micro, dtype, lr = _micro_batches(), torch.bfloat16, 0.1
+    k = len(micro)
+    mean_grads, mean_loss = _reference_grads(_small_model(), micro, dtype)
+    true_norm = _norm(mean_grads)
+    for factor in (100.0, 0.3):  # a bound far above the gradients' norm, then one that clips them
+        max_norm = factor * true_norm
+        clipped = [g * min(1.0, max_norm / (true_norm + 1e-6)) for g in mean_grads]
+        loss, seen, scaler, optimizer = _spied_run(accumulation_step, _small_model(), micro, max_norm,
+                                                   device_type="cpu", dtype=dtype, lr=lr, junk=float("nan"))
+        _check_autocast(seen, "cpu", dtype, dtype)
+        _check_no_host_reads(seen, "your accumulation step")
+        _check_accumulation_calls(scaler, optimizer, k)
+        _check_accumulated_grads(scaler.grads_at_step, clipped, mean_grads, micro, dtype, max_norm, scaler.scale_value)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise Wrong(f"return the mean loss as a one-element tensor, got {type(loss).__name__}")
+        if math.isclose(loss.float().item(), k * mean_loss.item(), rel_tol=1e-2):
+            raise Wrong(f"you returned the sum of the {k} micro-batches' losses: return their mean")
+        expect_close(loss.detach().float(), mean_loss.item(), rel=1e-2, what="the returned mean loss")
+    _check_dtype_and_device(accumulation_step, lambda where: ([(x.to(where), y.to(where)) for x, y in micro], 1e6))
+    _check_with_a_real_scaler(accumulation_step, micro, true_norm)
+    return (f"{k} scaled backward passes, one unscale_, the true gradients clipped, one scaler.step and one update, "
+            "no value read back: AMP with accumulation and clipping. (Without a GPU this check sees what your code "
+            "does, not how long a GPU would wait.)")
+
+
+def _check_accumulation_calls(scaler, optimizer, k: int) -> None:
+    calls = scaler.calls
+    scales = calls.count("scale")
+    if scales == 1 and k > 1:
+        raise Wrong(f"one scaled backward for {k} micro-batches: summing the losses and calling backward() once keeps "
+                    "every micro-batch's activations alive, which is what accumulation avoids. Call "
+                    "`scaler.scale(loss / k).backward()` inside the loop, once per micro-batch")
+    if scales != k:
+        raise Wrong(f"`scaler.scale(...)` ran {scales} times for {k} micro-batches: once per micro-batch")
+    if optimizer.direct_steps:
+        raise Wrong("you called optimizer.step() yourself: call `scaler.step(optimizer)`, which skips the step when "
+                    "the gradients overflowed")
+    if optimizer.steps != 1 or calls.count("step") != 1:
+        raise Wrong(f"the optimizer stepped {optimizer.steps} times for {k} micro-batches: step once, after the last "
+                    "micro-batch's backward, with `scaler.step(optimizer)`")
+    if calls.count("update") != 1 or calls.index("update") < calls.index("step"):
+        raise Wrong("call `scaler.update()` once per optimizer step, after `scaler.step(optimizer)`")
+    last_scale = len(calls) - 1 - calls[::-1].index("scale")
+    if "unscale_" in calls and calls.index("unscale_") < last_scale:
+        raise Wrong("`scaler.unscale_(optimizer)` ran before the last micro-batch's backward: the gradients added "
+                    "after it stay scaled. Unscale once, after the loop, right before clipping")
+
+
+def _check_accumulated_grads(grads, clipped, mean_grads, micro, dtype, max_norm, scale) -> None:
+    k = len(micro)
+    if grads is None or any(g is None for g in grads):
+        raise Wrong("some weights had no gradient at the optimizer step: backward every micro-batch's scaled loss")
+    if _close(grads, clipped):
+        return
+    if any(g.isnan().any() for g in grads):  # the check filled the old gradients with NaN
+        raise Wrong("the gradients of the previous step were still there: call `optimizer.zero_grad()` before the "
+                    "first micro-batch")
+    if _close(grads, [k * g for g in clipped]):
+        raise Wrong(f"your gradients are {k}× too large: divide each micro-batch's loss by the number of "
+                    "micro-batches before backward(), since backward() adds the gradients up")
+    last, _ = _reference_grads(_small_model(), micro[-1:], dtype)
+    if any(_close(grads, [g * c for g in last]) for c in (1 / k, 1)):
+        raise Wrong("only the last micro-batch's gradients reached the optimizer: clear the gradients once, before "
+                    "the loop, never inside it")
+    if math.isclose(_norm(grads), max_norm / scale, rel_tol=0.05):
+        raise Wrong("you clipped the *scaled* gradients (their norm is multiplied by the loss scale), so they were "
+                    "cut far too short: call `scaler.unscale_(optimizer)` before `clip_grad_norm_`")
+    if _close(grads, mean_grads) and _norm(mean_grads) > max_norm:
+        raise Wrong(f"the gradients were not clipped: their norm was {_norm(mean_grads):.3g}, above max_norm = "
+                    f"{max_norm:.3g}. Call `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` after "
+                    "`scaler.unscale_(optimizer)`")
+    raise Wrong("the gradients at the optimizer step are not the clipped mean gradient of the micro-batches: zero "
+                "once, a scaled backward of loss / k per micro-batch, then unscale_, clip_grad_norm_, scaler.step, "
+                "scaler.update")
+
+
+def _check_with_a_real_scaler(accumulation_step, micro, max_norm) -> None:
+    """With torch.amp.GradScaler on the CPU: an fp16 overflow is skipped and the scale halved once; a normal step
+    moves the weights (a second unscale_ before update() would raise here)."""
+    model = _small_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    hot = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # far too high: the fp16 backward overflows
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulation_step(model, optimizer, hot, micro, max_norm, "cpu", torch.float16)
+    if not all(torch.equal(b, p) for b, p in zip(before, model.parameters())):
+        raise Wrong("with a real GradScaler and an fp16 overflow (scale 2^40) the weights moved: the step must go "
+                    "through `scaler.step(optimizer)`, which skips it when a gradient is inf or NaN")
+    if hot.get_scale() != 2.0**39:
+        raise Wrong(f"with a real GradScaler, one overflowing accumulation step should halve the scale once (2^40 → "
+                    f"2^39); it is now 2^{math.log2(hot.get_scale()):.0f}: call `scaler.update()` once per optimizer "
+                    "step")
+    accumulation_step(model, optimizer, torch.amp.GradScaler("cpu"), micro, max_norm, "cpu", torch.bfloat16)
+    if all(torch.equal(b, p) for b, p in zip(before, model.parameters())):
+        raise Wrong("with a real GradScaler and no overflow the weights did not move: step with `scaler.step(optimizer)`")
 
 
 q4 = Question(
-    lesson="04", number=4, title="Which precision for which GPU?",
-    checker=_check_choose_precision,
-    hint_text="Native bf16 (and TF32) came with compute capability 8.0 (Ampere). Tuples compare element by "
-              "element: `(8, 6) >= (8, 0)` is True. Only fp16 needs a GradScaler.",
+    lesson="04", number=4, title="AMP with gradient accumulation and clipping",
+    checker=_check_accumulation_step,
+    hint_text="Clear the gradients once. For each (x, y): forward and loss under `torch.autocast(device_type, "
+              "dtype=dtype)`, then `scaler.scale(loss / k).backward()`; keep `loss.detach()` for the mean. After the "
+              "loop: `scaler.unscale_(optimizer)` (the gradients are still multiplied by the scale), "
+              "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, `scaler.step(optimizer)`, "
+              "`scaler.update()`. Return `torch.stack(losses).mean()`.",
     solution_text="""
-def choose_precision(compute_capability):
-    if compute_capability >= (8, 0):
-        return torch.bfloat16, False
-    return torch.float16, True
+def accumulation_step(model, optimizer, scaler, micro_batches, max_norm, device_type, dtype):
+    k = len(micro_batches)
+    optimizer.zero_grad(set_to_none=True)
+    losses = []
+    for x, y in micro_batches:
+        with torch.autocast(device_type, dtype=dtype):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss / k).backward()   # the gradients add up: / k makes them the mean's
+        losses.append(loss.detach())        # no .item(): no wait for the GPU
+    scaler.unscale_(optimizer)              # the true gradients, before anything looks at their size
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)                  # skipped if unscale_ found an inf or NaN
+    scaler.update()
+    return torch.stack(losses).mean()
 """,
 )
