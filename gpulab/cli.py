@@ -1,4 +1,4 @@
-"""The `gpulab` command: doctor, bench, course, grade, exercises, notebooks, reference."""
+"""The `gpulab` command: doctor, bench, course, grade, exercises, notebooks, claims, reference."""
 
 import argparse
 import json
@@ -91,11 +91,19 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("notebooks", help="strip outputs and rewrite the setup cell of every notebook")
     p.set_defaults(run=_notebooks)
 
-    p = sub.add_parser("reference", help="reference add CSV: ship a full-mode results CSV as reference results")
-    p.add_argument("action", choices=["add"])
-    p.add_argument("csv", type=Path)
-    p.add_argument("--command", required=True, help="the command that produced it (kept as provenance)")
-    p.add_argument("--name", help="reference name (default: the file's stem)")
+    p = sub.add_parser("claims", help="what the course's sources claimed, and what the shipped reference results measured")
+    p.add_argument("--markdown", action="store_true", help="as the Markdown table the README holds")
+    p.set_defaults(run=_claims)
+
+    p = sub.add_parser("reference", help="reference add CSV: ship a full-mode results CSV as reference results; "
+                       "reference record: run every lesson in full mode on this GPU and ship all its results")
+    p.add_argument("action", choices=["add", "record"])
+    p.add_argument("csv", type=Path, nargs="?", help="with add: the results CSV to ship")
+    p.add_argument("--command", help="with add: the command that produced it (kept as provenance)")
+    p.add_argument("--name", help="with add: reference name (default: the file's stem)")
+    p.add_argument("--out", type=Path, default=Path("build/reference"),
+                   help="with record: where executed notebooks and results go (default: build/reference)")
+    p.add_argument("--dry-run", action="store_true", help="with record: say what it would run, run nothing")
     p.set_defaults(run=_reference)
     return parser
 
@@ -194,10 +202,38 @@ def _notebooks(args) -> int:
     return 0
 
 
+def _claims(args) -> int:
+    from .claims import markdown, table
+
+    claims = table()
+    print(markdown(claims) if args.markdown else claims.to_string(index=False))
+    return 0
+
+
 def _reference(args) -> int:
+    if args.action == "record":
+        return _record(args)
     from .results import add_reference
 
+    if args.csv is None or args.command is None:
+        raise UsageError("reference add needs a results CSV and --command (the command that produced it)")
     print(f"wrote {add_reference(args.csv, args.command, args.name)}")
+    return 0
+
+
+def _record(args) -> int:
+    from .record import plan, record, require_gpu
+
+    notebooks = sorted(Path("notebooks").glob("*.ipynb"))
+    if not notebooks:
+        raise UsageError("no notebooks/*.ipynb here: run it from the course's folder")
+    if not args.dry_run:
+        require_gpu()
+    print(plan(notebooks, args.out))
+    if args.dry_run:
+        return 0
+    print(record(notebooks, args.out).to_string(index=False))
+    print("Commit gpulab/reference/ to ship these results with the course.")
     return 0
 
 

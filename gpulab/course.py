@@ -10,15 +10,17 @@ from tqdm.auto import tqdm
 from .execute import run_notebook
 
 
-def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeout: int = 900) -> pd.DataFrame:
-    """Execute each notebook in a fresh kernel; write ``out_dir``/NAME.ipynb and NAME.html for each,
-    even a failed one (it shows where it stopped). Returns a table of lesson, status, seconds, error."""
+def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeout: int = 900,
+               env: dict | None = None) -> pd.DataFrame:
+    """Execute each notebook in a fresh kernel (with environment ``env``, default: this process's); write
+    ``out_dir``/NAME.ipynb and NAME.html for each, even a failed one (it shows where it stopped).
+    Returns a table of lesson, status, seconds, error."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     progress = tqdm(notebooks, desc="lessons", unit="notebook")
     for path in progress:
         progress.set_postfix_str(path.name)
-        run = run_notebook(path, cell_timeout=cell_timeout)
+        run = run_notebook(path, cell_timeout=cell_timeout, env=env)
         (out_dir / path.name).write_text(nbformat.writes(run.notebook))
         html_error = _write_html(run.notebook, out_dir / path.with_suffix(".html").name)
         error = run.error or html_error

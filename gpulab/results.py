@@ -169,7 +169,10 @@ def reference_for(name: str) -> pd.DataFrame:
 
 
 def add_reference(csv_path: str | Path, command: str, name: str | None = None) -> Path:
-    """Ship a measured results CSV as reference results, with its provenance beside it."""
+    """Ship a measured results CSV as reference results, with its provenance beside it.
+
+    Rows already shipped for other GPUs are kept, so each GPU class adds its own; rows of the same GPU are replaced.
+    """
     frame = load(csv_path)
     if frame.empty or "device_name" not in frame:
         raise ResultsFileError(f"{csv_path} has no measured rows to ship as a reference")
@@ -182,6 +185,9 @@ def add_reference(csv_path: str | Path, command: str, name: str | None = None) -
     name = name or Path(csv_path).stem
     REFERENCE_DIR.mkdir(exist_ok=True)
     target = REFERENCE_DIR / f"{name}.csv"
+    if target.exists():  # other GPUs' rows stay; this GPU's earlier rows are replaced
+        shipped = load(target)
+        frame = pd.concat([shipped[~shipped["device_name"].isin(frame["device_name"])], frame], ignore_index=True)
     frame.to_csv(target, index=False)
     measured = frame["recorded_at"].dropna().astype(str) if "recorded_at" in frame else pd.Series(dtype=str)
     provenance = {

@@ -173,3 +173,15 @@ def test_a_torn_header_is_set_aside_and_a_new_file_starts(results_dir, capsys):
     ResultLog("cut").add(size=3)
     assert ResultLog("cut").frame()["size"].tolist() == [3]
     assert (results_dir / "cut.csv.torn").read_text() == "schema,recorded_at,ho\n"
+
+
+def test_reference_add_keeps_other_gpus_rows_and_replaces_its_own(results_dir, monkeypatch, tmp_path):
+    for gpu, sizes in [("GPU A", [1, 2]), ("GPU B", [3]), ("GPU A", [4])]:
+        _gpu_environment(monkeypatch, tmp_path, device_name=gpu)
+        log = ResultLog(f"sweep_{gpu[-1]}_{sizes[0]}")
+        for size in sizes:
+            log.add(size=size)
+        add_reference(log.path, command=f"run on {gpu}", name="sweep")
+    shipped = reference("sweep")
+    assert sorted(zip(shipped["device_name"], shipped["size"])) == [("GPU A", 4), ("GPU B", 3)]
+    assert reference_provenance("sweep")["devices"] == ["GPU A", "GPU B"]
