@@ -15,11 +15,11 @@ from tqdm.auto import tqdm
 
 from .timing import bench
 
-KB, MB, GB = 2**10, 2**20, 2**30
+KiB, MiB, GiB = 2**10, 2**20, 2**30  # sizes are binary multiples; rates are SI (1 GB/s = 1e9 bytes/s)
 MEMORIES = ("pageable", "pinned")
 
 
-def sizes(smallest: int = 4 * KB, largest: int = GB, factor: int = 4) -> list[int]:
+def sizes(smallest: int = 4 * KiB, largest: int = GiB, factor: int = 4) -> list[int]:
     """Transfer sizes in bytes from ``smallest`` to ``largest``, each ``factor`` times the previous."""
     if not 0 < smallest <= largest or factor < 2:
         raise ValueError(f"need 0 < smallest <= largest and factor >= 2, got {smallest}, {largest}, {factor}")
@@ -30,8 +30,8 @@ def sizes(smallest: int = 4 * KB, largest: int = GB, factor: int = 4) -> list[in
 
 
 def human_bytes(nbytes: float) -> str:
-    """4096 → '4 KB', 2**30 → '1 GB' (binary multiples, as transfer sizes usually are)."""
-    for unit, scale in (("GB", GB), ("MB", MB), ("KB", KB)):
+    """4096 → '4 KiB', 2**30 → '1 GiB': binary multiples, written as such."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:.0f} B"

@@ -19,7 +19,7 @@ from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____  # noqa: E402
 from gpulab.data import SyntheticImages, image_tensors  # noqa: E402
 from gpulab.monitor import COLUMNS, Monitor  # noqa: E402
 from gpulab.questions.lesson02 import PER_LANE_GBS, q1, q2, q3, q4, slow_loop  # noqa: E402
-from gpulab.transfers import GB, KB, MB, Timeline, human_bytes, sizes, summary, sweep  # noqa: E402
+from gpulab.transfers import GiB, KiB, MiB, Timeline, human_bytes, sizes, summary, sweep  # noqa: E402
 
 from .conftest import shown_solution  # noqa: E402
 
@@ -113,9 +113,9 @@ def test_monitor_stops_sampling_and_refuses_a_second_start(monkeypatch):
 
 
 def test_sizes_and_human_bytes():
-    assert sizes(4 * KB, 1 * MB) == [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB]
-    assert sizes(4 * KB, GB)[-1] == GB and sizes(1, 1) == [1]
-    assert human_bytes(4 * KB) == "4 KB" and human_bytes(GB) == "1 GB" and human_bytes(100) == "100 B"
+    assert sizes(4 * KiB, 1 * MiB) == [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]
+    assert sizes(4 * KiB, GiB)[-1] == GiB and sizes(1, 1) == [1]
+    assert human_bytes(4 * KiB) == "4 KiB" and human_bytes(GiB) == "1 GiB" and human_bytes(100) == "100 B"
     with pytest.raises(ValueError):
         sizes(0, 10)
 
@@ -129,10 +129,10 @@ def test_sweep_times_each_copy_allocates_outside_and_logs(results_dir):
         return lambda: dst.copy_(src)
 
     log = gpulab.ResultLog("02_test_sweep")
-    frame = sweep({"H2D": make_copy}, [4 * KB, 64 * KB], memories=("pageable",), device="cpu", log=log,
+    frame = sweep({"H2D": make_copy}, [4 * KiB, 64 * KiB], memories=("pageable",), device="cpu", log=log,
                   min_time=0.01, link_gbps=31.5)
-    assert made == [(4 * KB, False), (64 * KB, False)]  # one allocation per point, never inside the timing
-    assert list(frame["nbytes"]) == [4 * KB, 64 * KB] and (frame["gbps"] > 0).all()
+    assert made == [(4 * KiB, False), (64 * KiB, False)]  # one allocation per point, never inside the timing
+    assert list(frame["nbytes"]) == [4 * KiB, 64 * KiB] and (frame["gbps"] > 0).all()
     assert frame["gbps"].tolist() == pytest.approx((frame["nbytes"] / frame["median_s"] / 1e9).tolist())
     logged = log.frame()
     assert len(logged) == 2 and (logged["link_gbps"] == 31.5).all() and (logged["memory"] == "pageable").all()
@@ -140,9 +140,9 @@ def test_sweep_times_each_copy_allocates_outside_and_logs(results_dir):
 
 def test_summary_takes_the_largest_size_and_the_link_share():
     frame = pd.DataFrame({"direction": ["H2D"] * 4, "memory": ["pageable", "pageable", "pinned", "pinned"],
-                          "nbytes": [KB, GB, KB, GB], "gbps": [0.1, 10.0, 0.2, 25.0]})
+                          "nbytes": [KiB, GiB, KiB, GiB], "gbps": [0.1, 10.0, 0.2, 25.0]})
     table = summary(frame, link_gbps=31.5).set_index("memory")
-    assert table.loc["pinned", "gbps"] == 25.0 and table.loc["pinned", "size"] == "1 GB"
+    assert table.loc["pinned", "gbps"] == 25.0 and table.loc["pinned", "size"] == "1 GiB"
     assert table.loc["pinned", "of_link"] == pytest.approx(25 / 31.5)
     assert summary(frame)["of_link"].isna().all()
 
@@ -155,7 +155,7 @@ def test_an_empty_timeline_has_its_columns():
 def test_timeline_and_pinned_sweep_on_the_gpu(results_dir):
     device = torch.device("cuda")
     timeline, stream = Timeline(), torch.cuda.Stream()
-    x = torch.ones(8 * MB, dtype=torch.uint8, pin_memory=True)
+    x = torch.ones(8 * MiB, dtype=torch.uint8, pin_memory=True)
     with torch.cuda.stream(stream), timeline.span("copy stream", "copy"):
         y = x.to(device, non_blocking=True)
     torch.cuda.current_stream().wait_stream(stream)
@@ -169,7 +169,7 @@ def test_timeline_and_pinned_sweep_on_the_gpu(results_dir):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         return lambda: host.to(device, non_blocking=True)
 
-    frame = sweep({"H2D": make_h2d}, [MB, 16 * MB], device=device, min_time=0.02)
+    frame = sweep({"H2D": make_h2d}, [MiB, 16 * MiB], device=device, min_time=0.02)
     assert set(frame["memory"]) == {"pageable", "pinned"} and (frame["gbps"] > 0.1).all()
 
 
