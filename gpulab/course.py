@@ -20,10 +20,13 @@ def run_course(notebooks: list[Path], out_dir: Path = Path("build"), cell_timeou
     progress = tqdm(notebooks, desc="lessons", unit="notebook")
     for path in progress:
         progress.set_postfix_str(path.name)
-        run = run_notebook(path, cell_timeout=cell_timeout, env=env)
+        kernel_log = out_dir / f"{path.stem}.kernel.log"  # the kernel process's own messages, off the terminal
+        run = run_notebook(path, cell_timeout=cell_timeout, env=env, kernel_log=kernel_log)
         (out_dir / path.name).write_text(nbformat.writes(run.notebook))
         html_error = _write_html(run.notebook, out_dir / path.with_suffix(".html").name)
         error = run.error or html_error
+        if run.error and kernel_log.stat().st_size:
+            error += f" (the kernel's own messages: {kernel_log})"
         rows.append({"lesson": path.stem, "status": "passed" if run.ok else "FAILED",
                      "seconds": round(run.seconds, 1), "error": error or ""})
         progress.write(f"{path.stem}: {rows[-1]['status']} in {run.seconds:.1f} s {error or ''}")

@@ -32,23 +32,27 @@ class Run:
         return self.error is None
 
 
-def run_notebook(path: Path, *, cell_timeout: int = 900, env: dict | None = None) -> Run:
+def run_notebook(path: Path, *, cell_timeout: int = 900, env: dict | None = None,
+                 kernel_log: Path | None = None) -> Run:
     """Execute ``path`` top to bottom in a new kernel started in the notebook's folder; stop at the first error."""
-    return run(nbformat.read(path, as_version=4), Path(path).parent, cell_timeout=cell_timeout, env=env)
+    return run(nbformat.read(path, as_version=4), Path(path).parent, cell_timeout=cell_timeout, env=env,
+               kernel_log=kernel_log)
 
 
 def run(nb: nbformat.NotebookNode, cwd: Path, *, cell_timeout: float = 900, env: dict | None = None,
-        quiet_kernel: bool = False) -> Run:
+        quiet_kernel: bool = False, kernel_log: Path | None = None) -> Run:
     """Execute ``nb`` (in place) in a new kernel started in ``cwd``; stop at the first error.
 
-    ``quiet_kernel`` sends what the kernel process itself writes to its stdout/stderr (not the cells'
-    output, which the notebook keeps) to /dev/null.
+    What the kernel process itself writes to its stdout/stderr (not the cells' output, which the notebook keeps:
+    C++ libraries' messages, a crash) goes to the file ``kernel_log``, or to /dev/null with ``quiet_kernel``.
     """
     launch = {"cleanup_kc": True, **({"env": env} if env else {})}
     if quiet_kernel:
         launch.update(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     start = time.perf_counter()
-    with _kernel_manager() as km:
+    with _kernel_manager() as km, open(kernel_log or os.devnull, "w") as log:
+        if kernel_log:
+            launch.update(stdout=log, stderr=log)
         client = NotebookClient(nb, km=km, timeout=cell_timeout, resources={"metadata": {"path": str(cwd)}})
         try:
             client.execute(**launch)

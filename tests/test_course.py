@@ -45,3 +45,14 @@ def test_course_runs_are_quiet(tmp_path):
             for how in ("plain", "gpulab")}
     assert said["gpulab"].returncode == 0 and said["gpulab"].stderr == "", said["gpulab"].stderr
     assert "without encryption" in said["plain"].stderr  # the warning this guards against, where it comes from
+
+
+def test_the_kernels_own_messages_go_to_a_log_not_the_terminal(tmp_path, capfd):
+    """C++ libraries (torch's profiler, say) write to the kernel process's stderr: kept in a log beside the lesson."""
+    native = _write(tmp_path / "01_native.ipynb", "import os\nos.write(2, b'native message\\n')")
+    crash = _write(tmp_path / "02_crash.ipynb", "import os\nos.write(2, b'last words\\n')\nos._exit(3)")
+    table = run_course([native, crash], tmp_path / "build")
+    assert "native message" not in capfd.readouterr().err
+    assert (tmp_path / "build" / "01_native.kernel.log").read_text() == "native message\n"
+    assert table["status"].tolist() == ["passed", "FAILED"]
+    assert "02_crash.kernel.log" in table.loc[1, "error"]
