@@ -17,11 +17,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -34,6 +36,7 @@ _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*(\d+)\]:(.*)$")  # torchrun --tee prefi
 _RANK_TAG = re.compile(r"^\[rank\d+\]: ?")  # torch tags an uncaught exception's lines with [rank<N>]:
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*")
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid: \d+\))?\s*(.*)")
 
 
 def scratch_dir(name: str = "07_multi_gpu") -> Path:
@@ -48,6 +51,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def child_stderr():
+    """Within the block, what this process and its children write to file descriptor 2 goes to a file; the
+    object yielded gets it as ``.text`` at the end. A notebook never shows its kernel's own stderr, where the
+    children of ``mp.spawn`` write their errors."""
+    captured = SimpleNamespace(text="")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            captured.text = file.read().decode(errors="replace")
 
 
 class LaunchFailed(RuntimeError):
@@ -107,7 +130,14 @@ class Run:
         if rank is None:
             tail = [line for line in self.output(None).splitlines() if line.strip()][-1:] or ["no output"]
             return f"torchrun exited with status {self.returncode}: {tail[0].strip()}"
-        return f"rank {rank} failed: {self.error(rank) or 'no error message (killed? out of memory?)'}"
+        return f"rank {rank} failed: {self.error(rank) or self._crash(rank)}"
+
+    def _crash(self, rank: int) -> str:
+        """A rank that died without a Python exception: its exit code (a signal) and the last line it printed."""
+        exits = [m for line in self.output(None).splitlines() if (m := _ROOT_CAUSE_EXIT.match(line))]
+        said = [line for line in self.output(rank).splitlines() if line.strip()]
+        how = f"exit code {exits[-1].group(1)} {exits[-1].group(2)}".strip() if exits else "no error message"
+        return how + (f", after printing {said[-1].strip()!r}" if said else " (killed? out of memory?)")
 
     def raise_for_failure(self) -> "Run":
         """Raise LaunchFailed with ``failure()`` unless the run succeeded; returns the run."""

@@ -48,6 +48,11 @@ def test_memory_and_speed_claims_read_their_lessons_columns():
     cudnn = _rows(label=["fixed shape, benchmark=False", "fixed shape, benchmark=True",
                          "varying shapes, benchmark=False", "varying shapes, benchmark=True"], step_ms=[2.0, 1.0, 2.0, 9.0])
     assert claims._cudnn_benchmark(cudnn)[1] == "confirmed for fixed shapes; costs time when shapes vary"
+    dp = _rows(method=["DataParallel", "DDP"], gpus=[2, 2], samples_per_s=[1000.0, 1500.0])
+    figure, verdict = claims._ddp_over_dp(dp)
+    assert verdict == "confirmed" and figure == "DDP trained 1.50× the samples/s of DataParallel on 2 GPUs"
+    assert claims._ddp_over_dp(dp.assign(samples_per_s=[1000.0, 1020.0]))[1] == "no difference within 5 %"
+    assert claims._ddp_over_dp(dp.assign(samples_per_s=[1000.0, 800.0]))[1] == "not confirmed"
 
 
 def test_one_row_per_gpu_and_a_plain_note_where_nothing_ships(monkeypatch, tmp_path):

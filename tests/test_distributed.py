@@ -59,6 +59,28 @@ def test_a_failing_rank_is_named_with_its_error(tmp_path):
         run.raise_for_failure()
 
 
+def test_a_rank_that_crashes_without_an_exception_is_named_with_its_signal(tmp_path):
+    body = """
+    import os
+    if os.environ["RANK"] == "1":
+        print("about to abort", flush=True)
+        os.abort()
+    """
+    run = torchrun(_script(tmp_path, body), nproc=2, time_limit=120, echo=False)
+    assert not run.ok and run.failed_rank() == 1
+    assert "rank 1 failed: exit code -6" in run.failure() and "SIGABRT" in run.failure()
+    assert "'about to abort'" in run.failure()
+
+
+def test_child_stderr_catches_what_children_write_to_the_descriptor(tmp_path):
+    import subprocess
+    import sys
+
+    with distributed.child_stderr() as children:
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('from the child')"], check=True)
+    assert children.text == "from the child"
+
+
 def test_a_hang_is_stopped_at_the_time_limit_with_no_process_left(tmp_path):
     body = """
     import os, time
