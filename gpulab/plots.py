@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import matplotlib.pyplot as plt
 from matplotlib import rcParams
 from matplotlib.font_manager import FontProperties
+from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, Formatter, Locator, MaxNLocator, NullFormatter
 from matplotlib.transforms import Bbox
 
@@ -508,4 +509,38 @@ def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", 
             ax.plot(measured[x], measured[y], "k*", markersize=11, label="measured")
             ax.legend(fontsize="small")
         ax.set_ylim(0, 1.1)
+    return ax
+
+
+_WATERFALL_TICKS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def waterfall(steps, ratios, *, kept=None, title: str = "", ax=None):
+    """A waterfall of speed-ups: one floating bar per step from the level before it to that level × its ``ratio``
+    (its speed over the configuration before it), then the total. Steps not ``kept`` (they did not help) are
+    grey and leave the level where it was. The y axis is logarithmic: speed-ups multiply."""
+    ax = _axes(ax)
+    kept = [True] * len(steps) if kept is None else list(kept)
+    level = 1.0
+    with style():
+        for i, (ratio, keep) in enumerate(zip(ratios, kept)):
+            top = level * ratio
+            ax.bar(i, abs(math.log(top / level)), bottom=math.log(min(level, top)), width=0.7,
+                   color=("tab:green" if ratio >= 1 else "tab:red") if keep else "0.75")
+            ax.annotate(f"{ratio:.2f}×", (i, math.log(max(level, top))), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize="small")
+            level = top if keep else level
+        ax.bar(len(steps), math.log(level), bottom=0, width=0.7, color="tab:blue")
+        ax.annotate(f"{level:.2f}×", (len(steps), math.log(max(level, 1))), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontweight="bold")
+        ax.axhline(0, color="0.4", linewidth=1)
+        ax.set_xticks(range(len(steps) + 1), [*steps, "total"], rotation=35, ha="right")
+        low, high = ax.get_ylim()
+        ticks = [t for t in _WATERFALL_TICKS if low - 1e-9 <= math.log(t) <= high + 1e-9]
+        ax.set_yticks([math.log(t) for t in ticks[:: math.ceil(len(ticks) / 8)]],
+                      [f"{t:g}×" for t in ticks[:: math.ceil(len(ticks) / 8)]])
+        ax.legend(handles=[Patch(color="tab:green", label="kept: faster"), Patch(color="0.75", label="dropped"),
+                           Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left")
+        ax.set_ylabel("speed-up over the naive baseline")
+        ax.set_title(title)
     return ax

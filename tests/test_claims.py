@@ -48,6 +48,11 @@ def test_memory_and_speed_claims_read_their_lessons_columns():
     cudnn = _rows(label=["fixed shape, benchmark=False", "fixed shape, benchmark=True",
                          "varying shapes, benchmark=False", "varying shapes, benchmark=True"], step_ms=[2.0, 1.0, 2.0, 9.0])
     assert claims._cudnn_benchmark(cudnn)[1] == "confirmed for fixed shapes; costs time when shapes vary"
+    path = _rows(step=["naive baseline", "no sync", "workers"], kept=[True, False, True],
+                 vs_baseline=[1.0, 0.99, 6.2], accuracy=[0.95, 0.95, 0.94])
+    figure, verdict = claims._capstone(path)
+    assert verdict == "confirmed, and larger than claimed" and figure.startswith("the capstone's kept steps: 6.20×")
+    assert claims._capstone(path.assign(vs_baseline=[1.0, 0.99, 1.1]))[1] == "not confirmed"
     dp = _rows(method=["DataParallel", "DDP"], gpus=[2, 2], samples_per_s=[1000.0, 1500.0])
     figure, verdict = claims._ddp_over_dp(dp)
     assert verdict == "confirmed" and figure == "DDP trained 1.50× the samples/s of DataParallel on 2 GPUs"

@@ -69,3 +69,10 @@ def test_every_question_has_a_hint_and_a_solution_that_compiles(path):
     for q in check.questions(path.name[:2]):
         assert q.hint_text.strip(), f"{q.name} has no hint"
         compile(q.solution_text, f"{q.lesson} {q.name} solution", "exec")
+
+
+def test_the_checklist_links_every_lesson_and_only_notebooks_that_exist():
+    checklist = (ROOT / "CHECKLIST.md").read_text()
+    links = re.findall(r"\]\((notebooks/[^)]+)\)", checklist)
+    assert links and all((ROOT / link).exists() for link in links), [link for link in links if not (ROOT / link).exists()]
+    assert {f"notebooks/{path.name}" for path in LESSONS} <= set(links)

@@ -1,3 +1,4 @@
+import math
 import re
 
 import matplotlib
@@ -151,4 +152,16 @@ def test_roofline_roofs_span_the_data_only_and_read_like_numbers(intensity):
     roofs = [line for line in ax.get_lines() if line.get_label() != "fp32"]
     assert roofs and all(lo <= x <= hi for line in roofs for x in line.get_xdata())
     _assert_readable(ax)
+    plt.close(ax.figure)
+
+
+def test_waterfall_climbs_only_on_kept_steps_and_ends_at_the_total():
+    ax = plots.waterfall(["a", "b", "c"], [2.0, 0.8, 1.5], kept=[True, False, True])
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == ["2.00×", "0.80×", "1.50×", "3.00×"]  # the grey step does not count: 2 × 1.5
+    bars = ax.patches
+    assert bars[1].get_facecolor() != bars[0].get_facecolor()  # the dropped step is drawn differently
+    assert bars[2].get_y() == pytest.approx(math.log(2.0))  # c starts where a left the level, not where b did
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c", "total"]
+    assert "2×" in [t.get_text() for t in ax.get_yticklabels()]
     plt.close(ax.figure)
