@@ -29,6 +29,7 @@ x = torch.full((4,), float(rank + 1))
 dist.all_reduce(x)
 print("hello from", rank)
 print("RESULT " + json.dumps({"rank": rank, "sum": x[0].item(), "threads": os.environ.get("OMP_NUM_THREADS")}))
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -221,6 +221,7 @@ def _judge_two_ranks(accumulate) -> None:
 
 
 SCRIPT = """\
+import gc
 import json
 from contextlib import nullcontext
 
@@ -235,6 +236,8 @@ from gpulab.questions.lesson07 import accumulation_report
 dist.init_process_group("gloo")
 try:
     print("RESULT", json.dumps(accumulation_report({name})), flush=True)
+    gc.collect()  # free the DDP model (its hooks make cycles) while its process group still exists
+    dist.barrier()  # and tear the group down on no rank before every rank is done: else a rank aborts
 finally:
     dist.destroy_process_group()
 """
