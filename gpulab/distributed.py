@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +90,7 @@ class Run:
     returncode: int | None = None
     timed_out: bool = False
     lines: list[tuple[int | None, str]] = field(default_factory=list)  # (rank, or None for torchrun itself; text)
+    stdout: dict[int, str] = field(default_factory=dict)  # each rank's whole stdout, from torchrun's log files
 
     @property
     def ok(self) -> bool:
@@ -99,9 +101,14 @@ class Run:
         return "\n".join(text for r, text in self.lines if r == rank)
 
     def results(self, rank: int | None = 0) -> list[dict]:
-        """The rows a rank printed as ``RESULT {json}`` lines (all ranks' with ``rank=None``)."""
-        return [json.loads(text[len(RESULT):]) for r, text in self.lines
-                if (rank is None or r == rank) and r is not None and text.startswith(RESULT)]
+        """The rows a rank printed as ``RESULT {json}`` lines (all ranks' with ``rank=None``).
+
+        Read from each rank's own stdout file: torchrun's merged output can split or join the lines of
+        ranks printing at the same moment.
+        """
+        ranks = sorted(self.stdout) if rank is None else [rank]
+        return [json.loads(line[len(RESULT):]) for r in ranks for line in self.stdout.get(r, "").splitlines()
+                if line.startswith(RESULT)]
 
     def failed_rank(self) -> int | None:
         """The rank torchrun names as the root cause of a failure, else the first rank that printed an error."""
@@ -155,15 +162,17 @@ def torchrun(script: str | Path, *args, nproc: int = 2, time_limit: float = 120.
     """Run ``torchrun --standalone --nproc-per-node=nproc script args...`` and wait for it, at most ``time_limit`` s.
 
     ``--standalone`` picks a free port for the rendezvous. Each rank's lines are printed as they arrive, as
-    ``[rank N] ...`` (not the ``RESULT`` lines: ``Run.results()`` returns those). torchrun starts every rank in a
-    session of its own, so at the time limit, or when the cell is interrupted, every process of the launch is
-    killed, torchrun's children included. ``env`` adds environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
+    ``[rank N] ...`` (not the ``RESULT`` lines: ``Run.results()`` returns those, read from the ranks' log
+    files). torchrun starts every rank in a session of its own, so at the time limit, or when the cell is
+    interrupted, every process of the launch is killed, torchrun's children included. ``env`` adds environment
+    variables (e.g. ``CUDA_VISIBLE_DEVICES``).
     """
     script = Path(script)
     if not script.exists():
         raise FileNotFoundError(f"{script} does not exist: run the %%writefile cell that writes it first")
+    logs = Path(tempfile.mkdtemp(prefix="torchrun-"))  # each rank's stdout and stderr, whole
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--tee=3", str(script), *map(str, args)]
+               f"--log-dir={logs}", "--redirects=3", "--tee=3", str(script), *map(str, args)]
     run = Run(script=script, command=command, nproc=nproc, time_limit=time_limit)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
@@ -184,6 +193,9 @@ def torchrun(script: str | Path, *args, nproc: int = 2, time_limit: float = 120.
         reader.join(timeout=5)
         _drain(lines, run, echo, wait=0)
         run.returncode = None if run.timed_out else proc.returncode
+        for path in logs.glob("*/attempt_*/*/stdout.log"):  # <run id>/attempt_<n>/<local rank>/
+            run.stdout[int(path.parent.name)] = path.read_text(errors="replace")
+        shutil.rmtree(logs, ignore_errors=True)
     if echo and not run.ok:
         print(f"✗ {script.name}: {run.failure()}")
     return run

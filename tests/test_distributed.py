@@ -50,6 +50,20 @@ def test_two_gloo_ranks_all_reduce_and_report(tmp_path, capsys):
     assert "[rank 0] hello from 0" in shown and "[rank 1] hello from 1" in shown and "RESULT" not in shown
 
 
+def test_every_result_line_of_ranks_printing_at_once_is_read(tmp_path):
+    body = """
+    import json, os
+    rank = int(os.environ["RANK"])
+    for i in range(2000):
+        print("RESULT", json.dumps({"rank": rank, "i": i, "pad": "x" * (i % 200)}))
+    """
+    run = torchrun(_script(tmp_path, body), nproc=2, time_limit=120, echo=False)
+    assert run.ok, run.failure()
+    for rank in (0, 1):
+        assert [row["i"] for row in run.results(rank)] == list(range(2000))
+    assert len(run.results(rank=None)) == 4000
+
+
 def test_a_failing_rank_is_named_with_its_error(tmp_path):
     body = ALL_REDUCE.replace('print("hello from", rank)',
                               'if rank == 1:\n    raise ValueError("bad shard")\nprint("hello from", rank)')
