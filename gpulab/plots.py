@@ -537,8 +537,8 @@ def waterfall(steps, ratios, *, kept=None, title: str = "", ax=None):
         ax.set_xticks(range(len(steps) + 1), [*steps, "total"], rotation=35, ha="right")
         low, high = ax.get_ylim()
         ticks = [t for t in _WATERFALL_TICKS if low - 1e-9 <= math.log(t) <= high + 1e-9]
-        ax.set_yticks([math.log(t) for t in ticks[:: math.ceil(len(ticks) / 8)]],
-                      [f"{t:g}×" for t in ticks[:: math.ceil(len(ticks) / 8)]])
+        ticks = ticks[:: max(1, math.ceil(len(ticks) / 8))]  # at most 8 labels
+        ax.set_yticks([math.log(t) for t in ticks], [f"{t:g}×" for t in ticks])
         ax.legend(handles=[Patch(color="tab:green", label="kept: faster"), Patch(color="0.75", label="dropped"),
                            Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left")
         ax.set_ylabel("speed-up over the naive baseline")

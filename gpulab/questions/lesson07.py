@@ -1,6 +1,7 @@
 """Lesson 07, more than one GPU: bus bandwidth from a timing, bytes per rank under DDP, ZeRO and FSDP, and
 gradient accumulation with no_sync() (run on two gloo ranks by the check)."""
 
+import gc
 import inspect
 import math
 import tempfile
@@ -192,6 +193,7 @@ def _check_accumulation(accumulate) -> str:
         try:
             _judge(accumulation_report(accumulate))
         finally:
+            gc.collect()  # free the DDP model (its hooks make cycles) before its process group goes
             dist.destroy_process_group()
     _judge_two_ranks(accumulate)
     return (f"{MICRO_BATCHES} micro-batches, one all-reduce per bucket, and on two gloo ranks the gradients equal one "
