@@ -38,20 +38,22 @@ def make_dataset(n_train: int, n_test: int, *, image_size: int = 32, num_classes
                               align_corners=False)  # one smooth colour pattern per class
 
     shifts = [(dy, dx) for dy in range(-4, 5) for dx in range(-4, 5)]
-    shifted = torch.stack([templates.roll(shift, dims=(2, 3)) for shift in shifts], 1)  # (class, shift, 3, H, W)
+    own = MIX * torch.stack([templates.roll(shift, dims=(2, 3)) for shift in shifts], 1)  # (class, shift, 3, H, W)
+    other = (1 - MIX) * templates
 
     def draw(n: int):
         labels = torch.randint(0, num_classes, (n,), generator=gen)
         distractors = torch.randint(0, num_classes, (n,), generator=gen)
         shift = torch.randint(0, len(shifts), (n,), generator=gen)
         contrast = 0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=gen)
-        brightness = 0.3 * (torch.rand(n, 1, 1, 1, generator=gen) - 0.5)
+        offset = 0.5 * (1 - contrast) + 0.3 * (torch.rand(n, 1, 1, 1, generator=gen) - 0.5)  # contrast about 0.5, brightness
         images = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
-        for part in torch.arange(n).split(4096):  # in parts, to keep the float32 intermediates small
-            pattern = MIX * shifted[labels[part], shift[part]] + (1 - MIX) * templates[distractors[part]]
-            noise = NOISE * torch.randn(len(part), 3, image_size, image_size, generator=gen)
-            pixels = (pattern - 0.5) * contrast[part] + 0.5 + brightness[part] + noise
-            images[part] = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
+        noise = torch.empty(1024, 3, image_size, image_size)
+        for start in range(0, n, 1024):  # in parts that stay in the CPU's caches, computed in place: 50k in about 1 s
+            part = slice(start, start + 1024)
+            pixels = own[labels[part], shift[part]].add_(other[distractors[part]]).mul_(contrast[part]).add_(offset[part])
+            pixels.add_(noise[:len(pixels)].normal_(0, NOISE, generator=gen))
+            images[part] = pixels.clamp_(0, 1).mul_(255).round_()
         return images, labels
 
     train_images, train_labels = draw(n_train)

@@ -2,6 +2,7 @@
 faster version of the same training, calls a blank one "not attempted", and rejects one that changes the model,
 loses accuracy, or is not faster."""
 
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from torch import nn
 from gpulab import capstone, models
 from gpulab.questions import lesson08
 
-from .conftest import shown_solution
+from .conftest import ROOT, shown_solution
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,35 @@ def test_the_normalisation_constants_fit_the_data():
     assert torch.allclose(std, torch.tensor(capstone.STD), atol=0.02)
 
 
-def test_augmented_items_are_normalised_floats_and_evaluation_keeps_the_training_mode():
+def test_augmented_items_are_normalised_random_crops_and_flips():
     data = capstone.make_dataset(8, 8)
-    x, y = capstone.AugmentedImages(data.train_images, data.train_labels)[0]
-    plain, _ = capstone.AugmentedImages(data.train_images, data.train_labels, augment=False)[0]
-    assert x.dtype == torch.float32 and x.shape == (3, 32, 32) and isinstance(y, int)
-    assert torch.allclose(plain, capstone.normalize(data.train_images[:1])[0], atol=1e-5)
-    model = models.TutorialCNN().train()
-    assert 0 <= capstone.evaluate(model, data.test_images, data.test_labels, "cpu") <= 1 and model.training
+    padded = capstone.normalize(F.pad(data.train_images[:1], (4, 4, 4, 4)))[0]
+    plain, label = capstone.AugmentedImages(data.train_images, data.train_labels, augment=False)[0]
+    assert torch.allclose(plain, padded[:, 4:36, 4:36], atol=1e-5) and label == int(data.train_labels[0])
+    augmented = capstone.AugmentedImages(data.train_images, data.train_labels)
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(20):
+        x, y = augmented[0]
+        assert x.dtype == torch.float32 and x.shape == (3, 32, 32) and isinstance(y, int)
+        crops = {(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)
+                 if torch.allclose(x, padded[:, dy:dy + 32, dx:dx + 32].flip(2) if flip else padded[:, dy:dy + 32, dx:dx + 32],
+                                   atol=1e-5)}
+        assert crops, "an augmented image is a 32×32 crop of the image padded by 4, flipped or not"
+        seen |= crops
+    assert len(seen) > 5 and {flip for *_, flip in seen} == {False, True}
+
+
+def test_evaluation_keeps_the_training_mode():
+    data = capstone.make_dataset(8, 64)
+    for training in (True, False):
+        model = models.TutorialCNN().train(training)
+        accuracy = capstone.evaluate(model, data.test_images, data.test_labels, "cpu", batch_size=24)
+        assert 0 <= accuracy <= 1 and model.training == training
+    model.net[-1].bias.data[:] = -1e3
+    model.net[-1].bias.data[data.test_labels[0]] = 1e3  # always predicts the first image's class
+    expected = (data.test_labels == data.test_labels[0]).float().mean().item()
+    assert capstone.evaluate(model, data.test_images, data.test_labels, "cpu", batch_size=24) == pytest.approx(expected)
 
 
 def test_the_baseline_learns_the_task():
@@ -62,6 +84,7 @@ def test_the_baseline_learns_the_task():
 
 def augment_per_epoch(model, data, *, epochs, device):
     """Unusual but right: each epoch's crops made at once, one group of images per crop offset, then batches."""
+    model.to(memory_format=torch.channels_last)
     images = F.pad(data.train_images, (4, 4, 4, 4)).to(device)
     labels = data.train_labels.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -75,9 +98,9 @@ def augment_per_epoch(model, data, *, epochs, device):
             epoch[chosen] = images[chosen, :, dy:dy + 32, dx:dx + 32]
         flip = torch.rand(n, device=device) < 0.5
         epoch[flip] = epoch[flip].flip(3)
-        epoch = capstone.normalize(epoch)
         for index in torch.randperm(n, device=device).split(128):
-            loss = F.cross_entropy(model(epoch[index]), labels[index])
+            x = capstone.normalize(epoch[index]).contiguous(memory_format=torch.channels_last)
+            loss = F.cross_entropy(model(x), labels[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -120,13 +143,22 @@ def weights_in_half(solution):
 def test_the_shown_solution_and_an_unusual_right_answer_pass(solution):
     result = judged(solution)
     assert result.status == "correct", result.message
-    assert "faster" in result.message and "accuracy" in result.message
+    assert "faster" in result.message and "accuracy" in result.message and "the baseline took" in result.message
     result = judged(augment_per_epoch)
     assert result.status == "correct", result.message
 
 
-def test_a_blank_answer_is_not_attempted():
+def test_the_solution_notebook_holds_the_solution_the_question_shows():
+    notebook = nbformat.read(ROOT / "solutions" / "08_capstone.ipynb", as_version=4)
+    answer = next(c.source for c in notebook.cells if "### BEGIN SOLUTION" in c.source)
+    written = [line for line in answer.splitlines() if "### " not in line]
+    assert written == lesson08.q1.solution_text.strip().splitlines()
+
+
+def test_a_blank_answer_is_not_attempted_and_a_non_function_is_wrong():
     assert judged(not_attempted).status == "not attempted"
+    result = judged(capstone.make_dataset(8, 8))
+    assert result.status == "wrong" and "your function itself" in result.message
 
 
 @pytest.mark.parametrize("make, words", [

@@ -12,17 +12,21 @@ from ..check import Question, Wrong
 from ..mode import by_mode, quick_mode
 from ..models import TutorialCNN
 
-# The job both versions train: sizes by mode. On a 2-core CPU in quick mode the baseline takes about 3 s, and
-# two epochs of 8192 images bring the tutorial CNN to about 96 % accuracy, where seeds differ by about 1 point.
+# The job both versions train: sizes by mode. In quick mode the baseline takes about 4 s on one thread of a 2-core
+# CPU and brings the tutorial CNN to 90-95 % test accuracy (89.6 to 95.4 % over global seeds 0-7, measured with the
+# data of seed 0): short of the ~99 % of twice the images, so that an accuracy lost shows.
 SIZES = {"n_train": by_mode(full=50_000, quick=8192), "n_test": by_mode(full=10_000, quick=2048),
          "epochs": by_mode(full=3, quick=2), "width": by_mode(full=2, quick=1)}
-# Accuracy may fall this far below the baseline's (seeds, batch sizes and learning rates move it by 1 to 3
-# points at this size: lesson 08 measures the baseline's spread over seeds) ...
+SEED = 0  # the global random stream both runs start from, so that a machine judges the same answer the same way
+# Accuracy may fall this far below the baseline's. Over those 8 seeds the shown solution reached 91.9 to 96.0 %,
+# never more than 3.5 points below the best baseline, while a batch of 512 with the learning rate only doubled
+# lost 10 points and a learning rate of 0.05 more still ...
 ACCURACY_TOLERANCE = 0.05
-# ... and the learner's version must be this many times faster. A CPU gains mostly from batching the
-# augmentation (the shown solution: 1.6× on one thread of a 2-core CPU, 2.2× on two); a GPU from all of
-# lesson 08 (quick mode's small job is launch-bound, so less is asked of it).
-THRESHOLDS = {"cpu": 1.3, "cuda quick": 2.0, "cuda full": 3.0}
+# ... and the learner's version must be this many times faster. A CPU gains from batching the augmentation and
+# channels_last; its convolutions stay, which caps the gain: the shown solution was 1.8× faster on one thread of a
+# 2-core CPU (1.55-1.7× without channels_last), 1.8× beside another busy thread, and 2.1-2.4× on two threads.
+# A GPU gains from all of lesson 08 (quick mode's small job is launch-bound, so less is asked of it).
+THRESHOLDS = {"cpu": 1.4, "cuda quick": 2.0, "cuda full": 3.0}
 
 
 def threshold(device: torch.device) -> float:
@@ -38,11 +42,14 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(train, model, data, device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    train(model, data, epochs=SIZES["epochs"], device=device)
-    _sync(device)
-    return time.perf_counter() - start
+    """Seconds ``train`` takes, started from the global random stream of ``SEED`` (restored afterwards)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(SEED)
+        _sync(device)
+        start = time.perf_counter()
+        train(model, data, epochs=SIZES["epochs"], device=device)
+        _sync(device)
+        return time.perf_counter() - start
 
 
 def _warm_up(device: torch.device) -> None:
@@ -64,8 +71,8 @@ def _check_faster(fast_train) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = capstone.make_dataset(SIZES["n_train"], SIZES["n_test"])
     _warm_up(device)
-    baseline = TutorialCNN(width=SIZES["width"]).to(device)
-    yours = TutorialCNN(width=SIZES["width"]).to(device)
+    baseline = TutorialCNN(width=SIZES["width"], seed=SEED).to(device)
+    yours = TutorialCNN(width=SIZES["width"], seed=SEED).to(device)
     before = copy.deepcopy(yours.state_dict())
     # the baseline first: the learner's version may change global settings (TF32, cudnn.benchmark) that
     # would otherwise speed the baseline up too
@@ -86,7 +93,8 @@ def _check_faster(fast_train) -> str:
              f"{slow_acc:.1%} vs yours {fast_acc:.1%}")
     if fast_acc < slow_acc - ACCURACY_TOLERANCE:
         raise Wrong(f"accuracy fell more than {ACCURACY_TOLERANCE:.0%} below the baseline's: {times}. Same epochs; "
-                    "a larger batch takes fewer steps, so raise the learning rate with it (about √k for k× the batch)")
+                    "a larger batch takes fewer steps: raise the learning rate with it (√k to k times for k times the "
+                    "batch; on this small job the baseline's batch of 128 may well be best)")
     needed = threshold(device)
     if slow_s / fast_s < needed:
         raise Wrong(f"not fast enough: {times}; on a {device.type.upper()} in {'quick' if quick_mode() else 'full'} "
@@ -97,23 +105,25 @@ def _check_faster(fast_train) -> str:
 q1 = Question(
     lesson="08", number=1, title="make the training job faster",
     checker=_check_faster,
-    hint_text="Time the baseline's parts first: on a CPU most of it is the per-sample augmentation in the main "
-              "process. Move the uint8 images to the device once, crop and flip a whole batch at a time with "
-              "tensor indexing, and keep .item() out of the loop. On a GPU, add autocast, channels_last, fused "
-              "AdamW, and try larger batches (raising the learning rate with them: same epochs, fewer steps).",
+    hint_text="Time the baseline's parts first: on a CPU about half of it is the per-sample augmentation in the "
+              "main process. Move the uint8 images to the device once, crop and flip a whole batch at a time with "
+              "tensor indexing, keep .item() out of the loop, and use channels_last (faster convolutions on CPUs "
+              "too). On a GPU add cudnn.benchmark, fused AdamW and bf16 autocast where the GPU has it natively. "
+              "A larger batch takes fewer steps in the same epochs: raise the learning rate with it, or keep 128.",
     solution_text='''
 def fast_train(model, data, *, epochs, device, batch_size=128, lr=1e-3):
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     images = F.pad(data.train_images, (4, 4, 4, 4)).to(device)  # uint8, padded for the crops, moved once
     labels = data.train_labels.to(device)
+    model = model.to(memory_format=torch.channels_last)  # NHWC: faster convolutions on GPUs and on CPUs
     if on_gpu:
         torch.backends.cudnn.benchmark = True
-        model = model.to(memory_format=torch.channels_last)
+    use_bf16 = on_gpu and torch.cuda.is_bf16_supported(including_emulation=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu)
-    amp_dtype = torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float16
     n, size = len(labels), data.train_images.shape[-1]
     pixels = torch.arange(size, device=device)
+    channels = torch.arange(3, device=device)[None, :, None, None]
     model.train()
     for _ in range(epochs):
         order = torch.randperm(n, device=device)
@@ -124,12 +134,9 @@ def fast_train(model, data, *, epochs, device, batch_size=128, lr=1e-3):
             dy, dx = torch.randint(0, 9, (2, b, 1), device=device)
             flip = torch.rand(b, 1, device=device) < 0.5
             cols = torch.where(flip, size - 1 - pixels, pixels) + dx
-            x = images[index[:, None, None, None], torch.arange(3, device=device)[None, :, None, None],
-                       (pixels + dy)[:, None, :, None], cols[:, None, None, :]]
-            x = capstone.normalize(x)
-            if on_gpu:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=on_gpu):
+            x = images[index[:, None, None, None], channels, (pixels + dy)[:, None, :, None], cols[:, None, None, :]]
+            x = capstone.normalize(x).contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 loss = F.cross_entropy(model(x), labels[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
