@@ -512,21 +512,26 @@ def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", 
     return ax
 
 
+_KEPT = {"color": "tab:green"}
+_NOT_FASTER = {"color": "0.75"}
+_ACCURACY_LOST = {"facecolor": "#f4b6b6", "edgecolor": "tab:red", "hatch": "//"}
 _WATERFALL_TICKS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def waterfall(steps, ratios, *, kept=None, title: str = "", ax=None):
+def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, title: str = "", ax=None):
     """A waterfall of speed-ups: one floating bar per step from the level before it to that level × its ``ratio``
-    (its speed over the configuration before it), then the total. Steps not ``kept`` (they did not help) are
-    grey and leave the level where it was. The y axis is logarithmic: speed-ups multiply."""
+    (its speed over the configuration before it), then the total. Steps not ``kept`` leave the level where it was:
+    grey when they were not faster, hatched red where ``accuracy_lost`` says they cost accuracy. The y axis is
+    logarithmic: speed-ups multiply."""
     ax = _axes(ax)
     kept = [True] * len(steps) if kept is None else list(kept)
+    accuracy_lost = [False] * len(steps) if accuracy_lost is None else list(accuracy_lost)
     level = 1.0
     with style():
-        for i, (ratio, keep) in enumerate(zip(ratios, kept)):
+        for i, (ratio, keep, lost) in enumerate(zip(ratios, kept, accuracy_lost)):
             top = level * ratio
-            ax.bar(i, abs(math.log(top / level)), bottom=math.log(min(level, top)), width=0.7,
-                   color=("tab:green" if ratio >= 1 else "tab:red") if keep else "0.75")
+            look = _KEPT if keep else _ACCURACY_LOST if lost else _NOT_FASTER
+            ax.bar(i, abs(math.log(top / level)), bottom=math.log(min(level, top)), width=0.7, **look)
             ax.annotate(f"{ratio:.2f}×", (i, math.log(max(level, top))), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize="small")
             level = top if keep else level
@@ -534,12 +539,17 @@ def waterfall(steps, ratios, *, kept=None, title: str = "", ax=None):
         ax.annotate(f"{level:.2f}×", (len(steps), math.log(max(level, 1))), xytext=(0, 2), textcoords="offset points",
                     ha="center", va="bottom", fontweight="bold")
         ax.axhline(0, color="0.4", linewidth=1)
+        for bar in ax.patches:  # a bar's bottom is sticky by default: leave a margin below a step that lost speed
+            bar.sticky_edges.y.clear()
+        ax.autoscale_view()
         ax.set_xticks(range(len(steps) + 1), [*steps, "total"], rotation=35, ha="right")
         low, high = ax.get_ylim()
         ticks = [t for t in _WATERFALL_TICKS if low - 1e-9 <= math.log(t) <= high + 1e-9]
         ticks = ticks[:: max(1, math.ceil(len(ticks) / 8))]  # at most 8 labels
         ax.set_yticks([math.log(t) for t in ticks], [f"{t:g}×" for t in ticks])
-        ax.legend(handles=[Patch(color="tab:green", label="kept: faster"), Patch(color="0.75", label="dropped"),
+        ax.legend(handles=[Patch(**_KEPT, label="kept: faster, accuracy kept"),
+                           Patch(**_NOT_FASTER, label="dropped: not faster beyond the noise"),
+                           Patch(**_ACCURACY_LOST, label="dropped: accuracy fell"),
                            Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left")
         ax.set_ylabel("speed-up over the naive baseline")
         ax.set_title(title)

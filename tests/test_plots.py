@@ -165,3 +165,15 @@ def test_waterfall_climbs_only_on_kept_steps_and_ends_at_the_total():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c", "total"]
     assert "2×" in [t.get_text() for t in ax.get_yticklabels()]
     plt.close(ax.figure)
+
+
+def test_waterfall_marks_a_step_dropped_for_its_accuracy_apart_from_one_not_faster():
+    ax = plots.waterfall(["fast but wrong", "slower", "good"], [2.0, 0.9, 1.2], kept=[False, False, True],
+                         accuracy_lost=[True, False, False])
+    wrong, slower, good = ax.patches[:3]
+    assert wrong.get_hatch() and not slower.get_hatch() and not good.get_hatch()
+    assert len({wrong.get_facecolor(), slower.get_facecolor(), good.get_facecolor()}) == 3
+    assert ax.texts[-1].get_text() == "1.20×"  # neither dropped step counts
+    assert ax.get_ylim()[0] < math.log(0.9)  # a margin below the slower step's bar, not its bottom at the edge
+    assert "dropped: accuracy fell" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(ax.figure)
