@@ -495,20 +495,30 @@ def regimes(ax, boundary: float, left: str = "latency-bound", right: str = "band
     return ax
 
 
-def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", measured=None, title: str = "",
-            ax=None):
+def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", linestyle_by: str | None = None,
+            measured=None, title: str = "", ax=None):
     """Scaling efficiency against GPU count, one line per ``by`` group (a model's predictions), 1 = perfect.
 
-    ``measured`` (same columns) adds measured points in black; GPU counts are written out (1, 2, 4, 8, ...).
+    ``linestyle_by`` (a column) draws each of its values in its own line style, in its ``by`` group's colour, so
+    that two bounds of one link read as a pair. ``measured`` (same columns) adds measured points in black; GPU
+    counts are written out (1, 2, 4, 8, ...).
     """
-    ax = curves(frame, x, y, by=by, logy=False, title=title, xlabel="GPUs (data-parallel ranks)",
-                ylabel="scaling efficiency", ax=ax)
+    ax = _axes(ax)
+    colors = {name: f"C{i}" for i, name in enumerate(frame[by].unique())}
+    styles = dict(zip(frame[linestyle_by].unique(), ("-", "--", ":", "-."))) if linestyle_by else {None: "-"}
+    keys = [by, linestyle_by] if linestyle_by else [by]
     with style():
+        for key, group in frame.groupby(keys, sort=False):
+            name, kind = (key[0], key[1]) if linestyle_by else (key[0], None)
+            group = group.sort_values(x)
+            ax.plot(group[x], group[y], marker="o", color=colors[name], linestyle=styles[kind],
+                    label=f"{name}, {kind}" if linestyle_by else str(name))
         ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1)
         if measured is not None and not measured.empty:
             ax.plot(measured[x], measured[y], "k*", markersize=11, label="measured")
-            ax.legend(fontsize="small")
-        ax.set_ylim(0, 1.1)
+        log_scale(ax, "x", base=2)
+        ax.set(xlabel="GPUs (data-parallel ranks)", ylabel="scaling efficiency", ylim=(0, 1.1), title=title)
+        ax.legend(fontsize="small")
     return ax
 
 

@@ -177,3 +177,20 @@ def test_waterfall_marks_a_step_dropped_for_its_accuracy_apart_from_one_not_fast
     assert ax.get_ylim()[0] < math.log(0.9)  # a margin below the slower step's bar, not its bottom at the edge
     assert "dropped: accuracy fell" in [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close(ax.figure)
+
+
+def test_scaling_pairs_two_bounds_of_a_link_in_one_colour_and_two_line_styles():
+    rows = [{"link": link, "bound": bound, "gpus": n, "efficiency": 1 / (1 + k * (n - 1) * (bound == "no overlap"))}
+            for k, link in ((0.01, "fast"), (0.1, "slow")) for bound in ("no overlap", "overlapped") for n in (1, 2, 4)]
+    ax = plots.scaling(pd.DataFrame(rows), linestyle_by="bound")
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == {"fast, no overlap", "fast, overlapped", "slow, no overlap", "slow, overlapped"}
+    color = {label: line.get_color() for label, line in lines.items()}
+    dash = {label: line.get_linestyle() for label, line in lines.items()}
+    assert color["fast, no overlap"] == color["fast, overlapped"] != color["slow, no overlap"] == color["slow, overlapped"]
+    assert dash["fast, no overlap"] == dash["slow, no overlap"] != dash["fast, overlapped"] == dash["slow, overlapped"]
+    low, high = ax.get_xlim()
+    ax.figure.canvas.draw()
+    assert ax.get_xscale() == "log" and [t.get_text() for t in ax.get_xticklabels()
+                                         if low <= t.get_position()[0] <= high and t.get_text()] == ["1", "2", "4"]
+    plt.close(ax.figure)
