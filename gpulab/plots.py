@@ -509,7 +509,7 @@ def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", 
     keys = [by, linestyle_by] if linestyle_by else [by]
     with style():
         for key, group in frame.groupby(keys, sort=False):
-            name, kind = (key[0], key[1]) if linestyle_by else (key[0], None)
+            name, kind = key[0], (key[1] if linestyle_by else None)
             group = group.sort_values(x)
             ax.plot(group[x], group[y], marker="o", color=colors[name], linestyle=styles[kind],
                     label=f"{name}, {kind}" if linestyle_by else str(name))
