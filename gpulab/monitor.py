@@ -1,4 +1,5 @@
-"""A GPU monitor: NVML samples (utilisation, memory, power, temperature) taken in a background thread.
+"""A GPU monitor: NVML samples (utilisation, memory, power, temperature, SM clock, throttling) and the CPU's
+load average, taken in a background thread.
 
     with Monitor(interval=0.1) as mon:
         mon.mark("workers=0")      # label the samples that follow
@@ -11,7 +12,9 @@ its frame is empty, with the same columns.
 ``gpu_util_pct`` is NVML's "GPU utilisation": the share of the last sample period (1/6 s to 1 s,
 depending on the GPU) during which at least one kernel was running; it says nothing about how
 much of the GPU each kernel used. ``mem_util_pct`` is the share of time the memory was being
-read or written, not how full it is (that is ``mem_used_gb``).
+read or written, not how full it is (that is ``mem_used_gb``). ``throttle`` names why the clocks were held
+down at that moment ("SW power cap", "HW thermal slowdown", ...; empty when they were not), and ``load_avg``
+is the machine's 1-minute load average; ``mon.caveats(phase)`` says whether either made a phase suspect.
 """
 
 import math
@@ -23,8 +26,10 @@ import pandas as pd
 import torch
 
 from . import nvml
+from .conditions import Conditions, cpu_cores, load_average
 
-COLUMNS = ("time_s", "phase", "gpu_util_pct", "mem_util_pct", "mem_used_gb", "power_w", "temp_c")
+COLUMNS = ("time_s", "phase", "gpu_util_pct", "mem_util_pct", "mem_used_gb", "power_w", "temp_c",
+           "sm_clock_mhz", "throttle", "load_avg")
 
 
 class Monitor:
@@ -42,6 +47,7 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = ExitStack()
+        self._cores = cpu_cores()
 
     def start(self) -> "Monitor":
         """Start sampling in a background thread (or say why it cannot)."""
@@ -91,6 +97,18 @@ class Monitor:
         values = frame[column].dropna()
         return float(values.mean()) if len(values) else math.nan
 
+    def caveats(self, phase: str | None = None) -> list[str]:
+        """What made the samples (all, or those of ``phase``) suspect: any throttled sample, a load average above
+        the cores; empty when nothing did, or there are no samples."""
+        frame = self.frame()
+        if phase is not None:
+            frame = frame[frame["phase"] == phase]
+        reasons = [r.strip() for text in frame["throttle"].dropna() for r in str(text).split(",") if r.strip()]
+        loads = frame["load_avg"].dropna()
+        worst = Conditions(load_avg=float(loads.max()) if len(loads) else math.nan, cpu_cores=self._cores,
+                           gpu=True, throttle=tuple(dict.fromkeys(reasons)))
+        return worst.caveats()
+
     def _open(self):
         nv = self._nvml.enter_context(nvml.session())
         try:
@@ -100,17 +118,19 @@ class Monitor:
 
     def _run(self, nv, handle) -> None:
         while True:  # at least one sample, however short the run
-            self._rows.append((time.perf_counter() - self._t0, self._phase, *sample(nv, handle)))
+            self._rows.append((time.perf_counter() - self._t0, self._phase, *sample(nv, handle), load_average()))
             if self._stop.wait(self.interval):
                 return
 
 
-def sample(nv, handle) -> tuple[float, float, float, float, float]:
-    """One reading: GPU and memory utilisation (%), memory used (GB), power (W), temperature (°C)."""
+def sample(nv, handle) -> tuple[float, float, float, float, float, float, str]:
+    """One reading: GPU and memory utilisation (%), memory used (GB), power (W), temperature (°C), SM clock (MHz),
+    throttle reasons (short names, comma-separated; empty when none, or where NVML cannot say)."""
     util = nvml.query(nv, nv.nvmlDeviceGetUtilizationRates, handle)
     memory = nvml.query(nv, nv.nvmlDeviceGetMemoryInfo, handle)
     power_mw = nvml.query(nv, nv.nvmlDeviceGetPowerUsage, handle)
     temp = nvml.query(nv, nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+    clock = nvml.read(nv, "nvmlDeviceGetClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1))
     nan = math.nan
     return (
         float(util.gpu) if util is not None else nan,
@@ -118,6 +138,8 @@ def sample(nv, handle) -> tuple[float, float, float, float, float]:
         memory.used / 1e9 if memory is not None else nan,
         power_mw / 1e3 if power_mw is not None else nan,
         float(temp) if temp is not None else nan,
+        float(clock) if clock is not None else nan,
+        ", ".join(nvml.throttle_reasons(nv, handle)),
     )
 
 

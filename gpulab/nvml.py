@@ -1,5 +1,8 @@
 """Access to NVML (the library behind nvidia-smi) through nvidia-ml-py, degrading to a reason."""
 
+import atexit
+import os
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -12,6 +15,15 @@ class NvmlUnavailable(RuntimeError):
 @contextmanager
 def session():
     """Initialise NVML for the duration of a ``with`` block; raises NvmlUnavailable with the reason."""
+    pynvml = _start()
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _start():
+    """The pynvml module, initialised (NVML counts its starts: each needs its own nvmlShutdown)."""
     try:
         import pynvml
     except ImportError:
@@ -22,10 +34,7 @@ def session():
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         raise NvmlUnavailable(f"NVML could not start ({err}): no NVIDIA driver on this machine?") from None
-    try:
-        yield pynvml
-    finally:
-        pynvml.nvmlShutdown()
+    return pynvml
 
 
 def available() -> tuple[bool, str]:
@@ -58,6 +67,108 @@ def query(nv, fn, *args, default=None):
         return fn(*args)
     except nv.NVMLError:
         return default
+
+
+# ---------------------------------------------------------------- one session kept open, for cheap repeated reads
+
+_shared: dict = {}  # pid; nv: the pynvml module, or why NVML could not start; handles: by GPU index
+_lock = threading.Lock()
+
+
+def shared(index: int = 0):
+    """``(pynvml, handle)`` of GPU ``index`` from one NVML session opened on first use and kept for the process,
+    so that a reading costs a few NVML calls rather than an nvmlInit; raises NvmlUnavailable (remembered, so a
+    machine without NVML pays for trying once). ``close_shared()`` ends it; a forked child opens its own."""
+    with _lock:
+        if _shared.get("pid") != os.getpid():
+            _shared.clear()
+            _shared["pid"] = os.getpid()
+            try:
+                _shared["nv"] = _start()
+            except NvmlUnavailable as err:
+                _shared["nv"] = str(err)
+            else:
+                atexit.unregister(close_shared)  # once, however often a session is reopened
+                atexit.register(close_shared)
+        nv = _shared["nv"]
+        if isinstance(nv, str):
+            raise NvmlUnavailable(nv)
+        handles = _shared.setdefault("handles", {})
+        if index not in handles:
+            try:
+                handles[index] = handle_for(nv, index)
+            except nv.NVMLError as err:
+                raise NvmlUnavailable(f"NVML has no GPU {index}: {err}") from None
+        return nv, handles[index]
+
+
+def close_shared() -> None:
+    """End the session ``shared()`` keeps (the next call starts a new one); safe to call at any time."""
+    with _lock:
+        nv = _shared.get("nv")
+        pid = _shared.get("pid")
+        _shared.clear()
+    if nv is not None and not isinstance(nv, str) and pid == os.getpid():
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+
+
+# ---------------------------------------------------------------- readings that not every GPU or driver supports
+
+
+def read(nv, name: str, *args, default=None):
+    """``nv.<name>(*args)``, or ``default`` where this nvidia-ml-py lacks the function or the GPU/driver does not
+    support it (an old driver answers a newer function with an NVMLError)."""
+    fn = getattr(nv, name, None)
+    return default if fn is None else query(nv, fn, *args, default=default)
+
+
+# NVML's clock event ("throttle") reasons: a bit each. GPU idle (0x1) and application clocks (0x2) are left out:
+# there the clocks are low because nothing runs, or because someone chose them, not held down by a limit.
+THROTTLE_REASONS = {
+    0x4: "SW power cap",
+    0x8: "HW slowdown",
+    0x10: "sync boost",
+    0x20: "SW thermal slowdown",
+    0x40: "HW thermal slowdown",
+    0x80: "power brake",
+    0x100: "display clock setting",
+    0x200: "board limit",
+    0x400: "reliability",
+}
+NOT_THROTTLING = 0x1 | 0x2
+
+
+def throttle_reasons(nv, handle) -> tuple[str, ...]:
+    """Why the GPU's clocks are held down right now, as short names (``()`` when they are not, or NVML cannot say)."""
+    bits = read(nv, "nvmlDeviceGetCurrentClocksEventReasons", handle)  # the current name (driver 535+)
+    if bits is None:
+        bits = read(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+    return decode_reasons(bits or 0)
+
+
+def decode_reasons(bits: int) -> tuple[str, ...]:
+    """NVML's reason bits as short names, in bit order; a bit this table does not know is named in hex."""
+    bits = int(bits) & ~NOT_THROTTLING
+    return tuple(THROTTLE_REASONS.get(1 << i, f"reason {1 << i:#x}") for i in range(bits.bit_length()) if bits >> i & 1)
+
+
+# NVML counts, per cause, the time the clocks spent below what was asked for (the numbers DCGM reports as power and
+# thermal violations). Two readings bracketing a measurement show throttling that neither moment caught.
+_COUNTERS = (("NVML_PERF_POLICY_POWER", 0, "SW power cap"), ("NVML_PERF_POLICY_THERMAL", 1, "thermal slowdown"))
+
+
+def throttle_time_ns(nv, handle) -> tuple[tuple[str, int], ...]:
+    """NVML's running totals of throttled time, ``((cause, nanoseconds), ...)``; the causes it does not count are left out."""
+    totals = []
+    for constant, default, cause in _COUNTERS:
+        status = read(nv, "nvmlDeviceGetViolationStatus", handle, getattr(nv, constant, default))
+        ns = getattr(status, "violationTime", None)
+        if ns is not None:
+            totals.append((cause, int(ns)))
+    return tuple(totals)
 
 
 def _text(value) -> str:

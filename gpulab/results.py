@@ -1,8 +1,11 @@
 """Benchmark records, each with the environment it was measured in.
 
 Rows are appended to ``results/<name>.csv`` as soon as they are measured, so an interrupted
-sweep keeps every finished point. Reference results measured on real GPUs ship in
-``gpulab/reference/`` with their provenance.
+sweep keeps every finished point. Each row also records the machine's state when it was measured
+(``gpulab.conditions``: load average and CPU cores, on a GPU its SM clock, throttle reasons, temperature
+and power) and a ``caveat`` column that says, in words, when the CPU was oversubscribed or the GPU
+throttled (empty when neither). Reference results measured on real GPUs ship in ``gpulab/reference/``
+with their provenance.
 """
 
 import csv
@@ -17,12 +20,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from .conditions import Conditions, snapshot
 from .device import device_info
 from .mode import quick_mode
 
 SCHEMA = 1
 REFERENCE_DIR = Path(__file__).parent / "reference"
 ENV_COLUMNS = ("schema", "recorded_at", "host", "device", "device_name", "driver", "torch", "cuda", "quick")
+# Written with every row since these columns came (older files gain them, empty, with their next row).
+CONDITION_COLUMNS = ("load_avg", "cpu_cores", "sm_clock_mhz", "sm_clock_max_mhz", "gpu_temp_c", "gpu_power_w",
+                     "gpu_power_limit_w", "throttle", "caveat")  # the GPU's only on rows measured on a GPU
 
 _OURS = b"schema,"  # how every results file written by ResultLog starts
 
@@ -62,13 +69,20 @@ class ResultLog:
     def __init__(self, name: str, directory: str | Path | None = None, device: str | None = None):
         self.path = Path(directory or results_dir()) / f"{_plain_name(name)}.csv"
         self.device = device
+        self._announced: set[str] = set()
         _set_aside_torn_row(self.path)
         if self.path.exists():
             self._check_header(self._header())
 
-    def add(self, **fields) -> dict:
-        """Append one row (the fields plus the environment) to the file at once; returns the row."""
+    def add(self, *, conditions: Conditions | None = None, **fields) -> dict:
+        """Append one row (the fields, the environment and the machine's state) to the file at once; returns it.
+
+        ``conditions`` is the state while the row was measured (``conditions.during(before, after)``); by
+        default a snapshot taken now. A field of the same name as a condition column wins over it.
+        """
+        state = conditions if conditions is not None else snapshot(self.device)
         row = {**environment(self.device), "recorded_at": _now(), **fields}
+        row.update({k: v for k, v in state.row().items() if k not in fields})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _set_aside_torn_row(self.path)
         header = self._header() if self.path.exists() else None
@@ -80,11 +94,15 @@ class ResultLog:
         else:  # new columns: rewrite the file with the union of columns, atomically
             columns = header + [c for c in row if c not in header]
             _write(self.path, columns, [*_rows(self.path), row])
+        self._announce(state)
         return row
 
     def add_measurement(self, measurement, **params) -> dict:
-        """Append a timing.Measurement with the parameters it was measured at."""
+        """Append a timing.Measurement with the parameters it was measured at (and its ``conditions`` if it
+        carries them, else the state now)."""
+        state = getattr(measurement, "conditions", None)
         return self.add(
+            conditions=state if isinstance(state, Conditions) else None,
             **params,
             label=measurement.label,
             median_s=measurement.median,
@@ -97,6 +115,15 @@ class ResultLog:
     def frame(self) -> pd.DataFrame:
         """All rows so far (an empty frame when nothing was recorded yet)."""
         return load(self.path) if self.path.exists() else pd.DataFrame()
+
+    def _announce(self, state: Conditions) -> None:
+        """Say on stderr, once per kind for this log, that a row was measured in suspect conditions."""
+        for caveat in state.caveats():
+            kind = caveat.split(" (")[0]
+            if kind not in self._announced:
+                self._announced.add(kind)
+                print(f"note: a row of {self.path.name} was measured while {caveat}; its 'caveat' column says so "
+                      "(later rows of this log are not announced again)", file=sys.stderr)
 
     def _header(self) -> list[str]:
         try:
@@ -165,7 +192,28 @@ def reference_for(name: str) -> pd.DataFrame:
     print(f"Reference results for '{name}': {devices}, torch {torches}"
           + (f", measured {' to '.join(dates)}" if dates else "")
           + (f", by `{command}`" if command else "") + ".")
+    note = caveat_note(ref)
+    if note:
+        print(note)
     return ref
+
+
+def caveats(frame: pd.DataFrame) -> pd.Series:
+    """Each row's caveat as text ('' when it has none, or was recorded before rows carried one)."""
+    if "caveat" not in frame:
+        return pd.Series("", index=frame.index, dtype=object)
+    return frame["caveat"].map(lambda v: v if isinstance(v, str) else "").astype(object)
+
+
+def caveat_note(frame: pd.DataFrame) -> str:
+    """One line saying how many rows were measured in suspect conditions, and which ('' when none were)."""
+    noted = caveats(frame)
+    noted = noted[noted != ""]
+    if noted.empty:
+        return ""
+    kinds = sorted({c.split(" (")[0] for text in noted for c in text.split("; ")})
+    return (f"{len(noted)} of {len(frame)} rows were measured while {' or '.join(kinds)}: "
+            "read them with care (their 'caveat' column says more).")
 
 
 def add_reference(csv_path: str | Path, command: str, name: str | None = None) -> Path:
@@ -182,6 +230,10 @@ def add_reference(csv_path: str | Path, command: str, name: str | None = None) -
     if on_cpu.any():
         raise ResultsFileError(f"{csv_path} holds {on_cpu.sum()} row(s) not measured on a GPU (device "
                                f"{frame.loc[on_cpu, 'device'].iloc[0]!r}); reference results come from real GPUs only")
+    note = caveat_note(frame)
+    if note:  # shipped all the same, with the caveat beside them; a rerun on a quiet machine replaces them
+        print(f"note: {csv_path}: {note} Re-record them on an idle, cool machine for cleaner reference results.",
+              file=sys.stderr)
     name = name or Path(csv_path).stem
     REFERENCE_DIR.mkdir(exist_ok=True)
     target = REFERENCE_DIR / f"{name}.csv"

@@ -1,8 +1,20 @@
+import sys
+import types
+
 import pandas as pd
 import pytest
 
 from gpulab import ResultLog, bench, reference
-from gpulab.results import ResultsFileError, add_reference, reference_provenance
+from gpulab.conditions import Conditions
+from gpulab.results import CONDITION_COLUMNS, ResultsFileError, add_reference, caveat_note, caveats, reference_provenance
+
+from .test_monitor_and_conditions import HW_THERMAL, SW_POWER_CAP, fake_nvml, machine
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Rows record the load average: the tests set it, whatever this machine is doing."""
+    machine(monkeypatch, 0.5, 4)
 
 
 def test_each_point_is_on_disk_at_once(results_dir):
@@ -185,3 +197,104 @@ def test_reference_add_keeps_other_gpus_rows_and_replaces_its_own(results_dir, m
     shipped = reference("sweep")
     assert sorted(zip(shipped["device_name"], shipped["size"])) == [("GPU A", 4), ("GPU B", 3)]
     assert reference_provenance("sweep")["devices"] == ["GPU A", "GPU B"]
+
+
+# ---------------------------------------------------------------- the machine's state beside each row
+
+
+def test_each_row_records_the_load_and_cores_and_an_empty_caveat(results_dir, capsys):
+    log = ResultLog("quiet")
+    row = log.add(size=1, seconds=0.5)
+    assert (row["load_avg"], row["cpu_cores"], row["caveat"]) == (0.5, 4, "")
+    assert "sm_clock_mhz" not in row and "throttle" not in row  # a CPU row has no GPU readings
+    frame = log.frame()
+    assert frame["load_avg"].tolist() == [0.5] and frame["caveat"].isna().all()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_row_measured_on_an_oversubscribed_cpu_says_so_once(results_dir, monkeypatch, capsys):
+    machine(monkeypatch, 3.1, 2)
+    log = ResultLog("busy")
+    first, second = log.add(size=1), log.add(size=2)
+    expected = "the CPU was oversubscribed (load average 3.1 on 2 cores)"
+    assert first["caveat"] == second["caveat"] == expected
+    assert log.frame()["caveat"].tolist() == [expected, expected]
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and expected in err and "busy.csv" in err
+
+
+def test_a_row_on_a_throttled_gpu_records_the_gpu_readings(results_dir, monkeypatch, tmp_path):
+    from gpulab import nvml
+
+    _gpu_environment(monkeypatch, tmp_path)
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(reasons=SW_POWER_CAP | HW_THERMAL))
+    nvml.close_shared()
+    try:
+        row = ResultLog("gpu", device="cuda:0").add(size=1)
+    finally:
+        nvml.close_shared()
+    assert set(CONDITION_COLUMNS) <= set(row) and row["throttle"] == "SW power cap, HW thermal slowdown"
+    assert row["caveat"] == "the GPU was throttled (SW power cap, HW thermal slowdown)"
+    assert (row["sm_clock_mhz"], row["gpu_temp_c"], row["gpu_power_w"], row["gpu_power_limit_w"]) == (1980, 71, 650, 700)
+    frame = ResultLog("gpu").frame()
+    assert frame.loc[0, "throttle"] == "SW power cap, HW thermal slowdown" and frame.loc[0, "sm_clock_max_mhz"] == 1980
+
+
+def test_a_measurement_carrying_its_conditions_is_recorded_with_them(results_dir):
+    measured = Conditions(load_avg=7.0, cpu_cores=2, gpu=True, sm_clock_mhz=1400, throttle=("SW power cap",))
+    m = types.SimpleNamespace(label="x", median=0.1, iqr=0.01, runs=5, threads=1, cache="warm", conditions=measured)
+    row = ResultLog("carried").add_measurement(m, n=3)
+    assert row["n"] == 3 and row["load_avg"] == 7.0 and row["sm_clock_mhz"] == 1400
+    assert row["caveat"] == ("the CPU was oversubscribed (load average 7.0 on 2 cores); "
+                             "the GPU was throttled (SW power cap)")
+    plain = ResultLog("plain").add_measurement(bench(lambda: None, repeats=2), n=3)  # no conditions: the state now
+    assert plain["load_avg"] == 0.5 and plain["caveat"] == ""
+
+
+def test_a_field_named_like_a_condition_wins(results_dir):
+    assert ResultLog("own").add(load_avg="mine")["load_avg"] == "mine"
+
+
+def test_a_file_from_before_the_conditions_gains_their_columns(results_dir):
+    results_dir.mkdir(parents=True)
+    old = results_dir / "old_style.csv"
+    old.write_text("schema,recorded_at,host,device,device_name,driver,torch,cuda,quick,size\n"
+                   "1,2026-01-01T00:00:00+00:00,h,cpu,CPU,,2.x,,True,1\n")
+    log = ResultLog("old_style")
+    log.add(size=2)
+    frame = log.frame()
+    assert frame["size"].tolist() == [1, 2] and frame["load_avg"].isna().tolist() == [True, False]
+    assert caveat_note(frame) == ""
+
+
+def test_shipped_rows_keep_their_caveat_and_reference_for_points_at_it(results_dir, monkeypatch, tmp_path, capsys):
+    from gpulab import reference_for
+
+    _gpu_environment(monkeypatch, tmp_path)
+    log = ResultLog("caveated")
+    log.add(size=1)
+    machine(monkeypatch, 9.0, 4)
+    log.add(size=2)
+    add_reference(log.path, command="make course")
+    assert "1 of 2 rows were measured while the CPU was oversubscribed" in capsys.readouterr().err
+    shipped = reference("caveated")
+    assert caveats(shipped).tolist() == ["", "the CPU was oversubscribed (load average 9.0 on 4 cores)"]
+    reference_for("caveated")
+    out = capsys.readouterr().out
+    assert "Reference results for 'caveated'" in out and "1 of 2 rows were measured while the CPU was oversubscribed" in out
+
+
+def test_reference_for_says_nothing_of_caveats_where_rows_have_none(capsys):
+    from gpulab import reference_for
+
+    reference_for("01_copy_bandwidth")  # shipped before rows carried a caveat
+    assert "measured while" not in capsys.readouterr().out
+
+
+def test_the_caveat_note_names_each_kind_once():
+    frame = pd.DataFrame({"caveat": ["", None, "the GPU was throttled (SW power cap)",
+                                     "the CPU was oversubscribed (load average 3.0 on 2 cores); "
+                                     "the GPU was throttled (HW slowdown)"]})
+    assert caveat_note(frame) == ("2 of 4 rows were measured while the CPU was oversubscribed or the GPU was "
+                                  "throttled: read them with care (their 'caveat' column says more).")
+    assert caveat_note(pd.DataFrame({"size": [1]})) == ""
