@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from . import conditions
+from .conditions import Conditions
 from .device import device_info, get_device
 
 CACHES = ("warm", "cold")
@@ -33,6 +35,7 @@ class Measurement:
     device: str
     threads: int
     cache: str = "warm"
+    conditions: Conditions | None = None  # the machine's state over the runs (load, GPU throttling)
 
     @property
     def median(self) -> float:
@@ -54,10 +57,16 @@ class Measurement:
         """``amount`` per second at the median time (bytes → B/s, samples → samples/s, FLOPs → FLOP/s)."""
         return amount / self.median
 
+    @property
+    def caveats(self) -> list[str]:
+        """What made the machine unfit to measure while this ran (an oversubscribed CPU, a throttled GPU)."""
+        return self.conditions.caveats() if self.conditions else []
+
     def __repr__(self) -> str:
+        caveats = "".join(f"; {c}" for c in self.caveats)
         return (
             f"<Measurement {self.label}: {_human(self.median)} median, IQR {_human(self.iqr)}, "
-            f"{self.runs} runs on {self.device}, {self.threads} CPU threads, {self.cache} cache>"
+            f"{self.runs} runs on {self.device}, {self.threads} CPU threads, {self.cache} cache{caveats}>"
         )
 
 
@@ -100,6 +109,7 @@ def bench(
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    before = conditions.snapshot(device)
     try:
         timer.timeit(warmup)
         if cache == "cold":
@@ -111,7 +121,8 @@ def bench(
             times = _warm_runs(timer, min_time)
     finally:
         torch.set_num_threads(previous)
-    return Measurement(label=label, times=tuple(times), device=device, threads=threads, cache=cache)
+    state = conditions.during(before, conditions.snapshot(device))
+    return Measurement(label=label, times=tuple(times), device=device, threads=threads, cache=cache, conditions=state)
 
 
 MIN_RUNS, MAX_RUNS, RUNS_PER_MIN_TIME = 5, 10_000, 20
@@ -127,15 +138,26 @@ def synced_clock() -> float:
 def _warm_runs(timer: timeit.Timer, min_time: float) -> list[float]:
     """Seconds per call of runs of back-to-back calls, each run about min_time / 20, for min_time in all."""
     target = min_time / RUNS_PER_MIN_TIME
-    calls, seconds = 1, timer.timeit(1)
-    while seconds < target / 10:  # grow the block tenfold until it lasts long enough to size the runs
-        calls *= 10
-        seconds = timer.timeit(calls)
-    per_run = max(1, math.ceil(calls * target / seconds))
-    times = [seconds] if calls == per_run == 1 else []  # a slow function's first timed call is a run already
+    per_run, first = _sized_block(timer, target)
+    times = [first] if first >= target else []  # a slow function's first timed call is a run already
     while len(times) < MAX_RUNS and (len(times) < MIN_RUNS or sum(times) * per_run < min_time):
         times.append(timer.timeit(per_run) / per_run)
     return times
+
+
+def calls_per_run(timer: timeit.Timer, target: float) -> int:
+    """How many back-to-back calls of ``timer``'s statement last about ``target`` seconds (at least one)."""
+    return _sized_block(timer, target)[0]
+
+
+def _sized_block(timer: timeit.Timer, target: float) -> tuple[int, float]:
+    """(calls per run for about ``target`` seconds, seconds of the first single call)."""
+    calls, seconds = 1, timer.timeit(1)
+    first = seconds
+    while seconds < target / 10:  # grow the block tenfold until it lasts long enough to size the runs
+        calls *= 10
+        seconds = timer.timeit(calls)
+    return max(1, math.ceil(calls * target / seconds)), first
 
 
 def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | None, min_time: float) -> list[float]:

@@ -1,3 +1,5 @@
+import linecache
+
 import pytest
 import torch
 
@@ -23,5 +25,14 @@ def results_dir(tmp_path, monkeypatch):
 
 def shown_solution(question, name: str, **scope):
     """The function ``name`` defined by the solution a question shows learners, run with ``scope`` as globals."""
-    exec(question.solution_text, scope)
+    return notebook_function(question.solution_text, name, **scope)
+
+
+def notebook_function(source: str, name: str, **scope):
+    """The function ``name`` that ``source`` defines, as a notebook cell defines it: run in ``scope`` as the
+    ``__main__`` globals, its source kept where ``inspect.getsource`` finds it (IPython keeps cells in linecache)."""
+    filename = f"<cell {name} {len(linecache.cache)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    scope.setdefault("__name__", "__main__")
+    exec(compile(source, filename, "exec"), scope)
     return scope[name]
