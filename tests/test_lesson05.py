@@ -1,5 +1,6 @@
 """Lesson 05's exercise checks: each question accepts the solution it shows and an unusual right answer, calls a
-blank answer "not attempted", and rejects plausible wrong answers with a message that names the mistake."""
+blank answer "not attempted", and rejects plausible wrong answers with a message that names the mistake, an answer
+that looks through the checker's frames for the expected values included."""
 
 import json
 import math
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import nbformat
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,22 @@ STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 
 def blank_function(*args, **kwargs):
     raise NotImplementedError
+
+
+def checker_values() -> list:
+    """What an answer that walks up the stack can read: the locals of the gpulab frames that called it, and the
+    items of the lists, tuples and dicts among them."""
+    values, frame = [], sys._getframe(1)
+    while frame:
+        if frame.f_globals.get("__name__", "").startswith("gpulab"):
+            for value in frame.f_locals.values():
+                values.append(value)
+                if isinstance(value, (list, tuple)):
+                    values += value
+                elif isinstance(value, dict):
+                    values += value.values()
+        frame = frame.f_back
+    return values
 
 
 # ----- the helpers the checks rely on ---------------------------------------------------------------
@@ -98,6 +116,13 @@ def no_gradients(model, optimizer):
     return sum(p.numel() * p.element_size() * (1 + STATE[optimizer] * p.requires_grad) for p in model.parameters())
 
 
+def bytes_seen_in_the_checker(model, optimizer):
+    """Stack walking, reduced to what the test needs: right only where a frame of the check holds the expected
+    bytes while this runs (recognised by computing them here), else 0."""
+    expected = training_state_bytes(model, optimizer)
+    return expected if any(type(v) is int and v == expected for v in checker_values()) else 0
+
+
 # ----- q2: a leak, found and fixed ------------------------------------------------------------------
 
 def _train_step(model, optimizer, x, y):
@@ -108,19 +133,31 @@ def _train_step(model, optimizer, x, y):
     return loss
 
 
+def _validation_loss(model, x_val, y_val):
+    model.eval()
+    with torch.no_grad():
+        loss = F.cross_entropy(model(x_val), y_val).item()
+    model.train()
+    return loss
+
+
 def with_inference_mode(model, optimizer, batches, val_batch):
-    """Unusual but right: inference_mode for validation, detached tensors returned, one stack at the end."""
+    """Unusual but right: inference_mode for validation, the mode given back as it was, detached tensors returned,
+    one stack at the end."""
     x_val, y_val = val_batch
     train_losses, val_losses = [], []
     for x, y in batches:
         train_losses.append(_train_step(model, optimizer, x, y).detach())
+        was_training = model.training
+        model.eval()
         with torch.inference_mode():
             val_losses.append(F.cross_entropy(model(x_val), y_val))
+        model.train(was_training)
     return torch.stack(train_losses), val_losses
 
 
 def leaky(model, optimizer, batches, val_batch):
-    """The loop as given: the validation losses keep their graphs."""
+    """The classic leak: the validation losses keep their graphs."""
     x_val, y_val = val_batch
     train_losses, val_losses = [], []
     for x, y in batches:
@@ -130,7 +167,7 @@ def leaky(model, optimizer, batches, val_batch):
 
 
 def eval_mode_only(model, optimizer, batches, val_batch):
-    """model.eval() does not stop autograd."""
+    """The loop as given: model.eval() does not stop autograd."""
     x_val, y_val = val_batch
     train_losses, val_losses = [], []
     for x, y in batches:
@@ -156,21 +193,17 @@ def running_sum(model, optimizer, batches, val_batch):
 
 def keeps_loss_tensors(model, optimizer, batches, val_batch):
     """No growth to speak of (backward freed the graphs), but the returned losses still carry grad_fn."""
-    x_val, y_val = val_batch
     train_losses, val_losses = [], []
     for x, y in batches:
         train_losses.append(_train_step(model, optimizer, x, y))
-        with torch.no_grad():
-            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+        val_losses.append(_validation_loss(model, *val_batch))
     return train_losses, val_losses
 
 
 def validates_before_the_step(model, optimizer, batches, val_batch):
-    x_val, y_val = val_batch
     train_losses, val_losses = [], []
     for x, y in batches:
-        with torch.no_grad():
-            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+        val_losses.append(_validation_loss(model, *val_batch))
         train_losses.append(_train_step(model, optimizer, x, y).item())
     return train_losses, val_losses
 
@@ -178,6 +211,53 @@ def validates_before_the_step(model, optimizer, batches, val_batch):
 def no_grad_everywhere(model, optimizer, batches, val_batch):
     with torch.no_grad():
         return leaky(model, optimizer, batches, val_batch)
+
+
+def without_eval(model, optimizer, batches, val_batch):
+    """No leak, but validated with dropout on."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        with torch.no_grad():
+            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+    return train_losses, val_losses
+
+
+def never_back_to_train(model, optimizer, batches, val_batch):
+    """model.eval() for validation, and no model.train() after it: the later steps train with dropout off."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        model.eval()
+        with torch.no_grad():
+            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+    return train_losses, val_losses
+
+
+def left_in_eval_mode(model, optimizer, batches, val_batch):
+    """model.train() before each step, model.eval() before each validation: the model is returned in eval mode."""
+    x_val, y_val = val_batch
+    train_losses, val_losses = [], []
+    for x, y in batches:
+        model.train()
+        train_losses.append(_train_step(model, optimizer, x, y).item())
+        model.eval()
+        with torch.no_grad():
+            val_losses.append(F.cross_entropy(model(x_val), y_val).item())
+    return train_losses, val_losses
+
+
+def losses_from_the_checker(model, optimizer, batches, val_batch):
+    """Stack walking: trains as it should, but returns the reference losses wherever a frame of the check holds
+    a pair of lists of one loss per step (else nothing)."""
+    for x, y in batches:
+        _train_step(model, optimizer, x, y)
+        _validation_loss(model, *val_batch)
+    lists = [v for v in checker_values() if isinstance(v, list) and len(v) == len(batches)
+             and all(isinstance(loss, float) for loss in v)]
+    return (lists[0], lists[1]) if len(lists) >= 2 else ([], [])
 
 
 # ----- q3: checkpointing placed to meet a memory target ---------------------------------------------
@@ -233,6 +313,45 @@ def nested(model, x, segment):
     return model.head(h)
 
 
+def with_reentrant(model, x, segment):
+    h = model.embed(x)
+    for i in range(0, len(model.blocks), segment):
+        h = checkpoint(model.blocks[i:i + segment], h, use_reentrant=True)
+    return model.head(h)
+
+
+def forgets_to_return(model, x, segment):
+    h = model.embed(x)
+    for i in range(0, len(model.blocks), segment):
+        h = checkpoint(model.blocks[i:i + segment], h, use_reentrant=False)
+    model.head(h)
+
+
+def output_from_the_checker(model, x, segment):
+    """Stack walking: where a frame of the check holds the plain step's output and gradients, return a copy of the
+    output that hands those gradients to the parameters in the backward, after running the blocks twice without
+    a graph (and a peak that grows with the segment); else the plain forward."""
+    params = list(model.parameters())
+    found = checker_values()
+    outs = [v for v in found if isinstance(v, torch.Tensor) and v.shape == (len(x), 10) and not v.requires_grad]
+    grads = [v for v in found if isinstance(v, list) and len(v) == len(params) and all(
+        isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(v, params))]
+    if not (outs and grads):
+        return model(x)
+    with torch.no_grad():
+        for _ in range(2):
+            model.blocks(model.embed(x))
+        torch.zeros(segment, 2**16)  # 256 KiB a block
+    out = outs[0].clone().requires_grad_()
+
+    def hand_over(grad):
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+
+    out.register_hook(hand_over)
+    return out
+
+
 def right_checkpointing():
     return shown_solution(lesson05.q3, "checkpointed_forward", checkpoint=checkpoint)
 
@@ -247,7 +366,9 @@ def right_checkpointing():
     (lesson05.q3, lambda: (right_checkpointing(), 2)),
     (lesson05.q3, lambda: (right_checkpointing(), 4)),
     (lesson05.q3, lambda: (with_checkpoint_sequential, 2)),
-], ids=["q1", "q1-measured", "q2", "q2-inference-mode", "q3", "q3-longest-segment", "q3-checkpoint-sequential"])
+    (lesson05.q3, lambda: (right_checkpointing(), np.int64(2))),
+], ids=["q1", "q1-measured", "q2", "q2-inference-mode", "q3", "q3-longest-segment", "q3-checkpoint-sequential",
+        "q3-numpy-segment"])
 def test_right_answers_pass(question, right):
     question.check(*right())
     assert question.last.status == "correct", question.last.message
@@ -261,13 +382,21 @@ def test_right_answers_pass(question, right):
     (lesson05.q1, lambda: (no_gradients,), "a step keeps 1: their gradient"),
     (lesson05.q1, lambda: (lambda model, optimizer: "1 MiB",), "a number of bytes"),
     (lesson05.q1, lambda: (16,), "pass your function itself"),
+    (lesson05.q1, lambda: (bytes_seen_in_the_checker,), "your function said 0"),
     (lesson05.q2, lambda: (leaky,), "KiB per step"),
     (lesson05.q2, lambda: (eval_mode_only,), "model.eval() does not stop autograd"),
     (lesson05.q2, lambda: (running_sum,), "a list or a sum"),
     (lesson05.q2, lambda: (keeps_loss_tensors,), "still carry their graphs"),
     (lesson05.q2, lambda: (validates_before_the_step,), "validation losses"),
     (lesson05.q2, lambda: (no_grad_everywhere,), "RuntimeError"),
-    (lesson05.q3, lambda: (without_use_reentrant, 2), "use_reentrant"),
+    (lesson05.q2, lambda: (without_eval,), "call model.eval() before validating"),
+    (lesson05.q2, lambda: (never_back_to_train,), "training steps ran in eval mode"),
+    (lesson05.q2, lambda: (left_in_eval_mode,), "returned the model in eval mode"),
+    (lesson05.q2, lambda: (losses_from_the_checker,), "the training losses should be one per step"),
+    (lesson05.q3, lambda: (without_use_reentrant, 2), "use_reentrant was not passed"),
+    (lesson05.q3, lambda: (with_reentrant, 2), "use_reentrant=True) is the older variant"),
+    (lesson05.q3, lambda: (forgets_to_return, 2), "return the model's output, a tensor, not NoneType"),
+    (lesson05.q3, lambda: (output_from_the_checker, 2), "with segment=1 no block ran a second time"),
     (lesson05.q3, lambda: (drops_the_short_segment, 2), "the last segment may be shorter"),
     (lesson05.q3, lambda: (detaches_the_input, 2), "gradients differ"),
     (lesson05.q3, lambda: (not_checkpointed, 2), "nothing was checkpointed"),
@@ -277,6 +406,7 @@ def test_right_answers_pass(question, right):
     (lesson05.q3, lambda: (right_checkpointing(), 5), "fell by 59.6%"),
     (lesson05.q3, lambda: (right_checkpointing(), 0), "whole number"),
     (lesson05.q3, lambda: (right_checkpointing(), "2"), "whole number"),
+    (lesson05.q3, lambda: (right_checkpointing(), 2.0), "whole number"),
 ])
 def test_plausible_wrong_answers_are_rejected(question, wrong, says):
     question.check(*wrong())
@@ -303,7 +433,9 @@ def test_the_leak_check_measures_the_learners_loop():
     assert "grows by 0 bytes per step" in lesson05.q2.last.message
     lesson05.q2.check(leaky)
     kib = float(lesson05.q2.last.message.split("grows by ")[1].split(" KiB")[0].replace(",", ""))
-    assert 256 * 256 * 4 * 2 / 1024 <= kib <= 4 * 256 * 256 * 4 / 1024  # two hidden layers' outputs, or a few more
+    hidden = 256 * 256 * 4 / 1024  # KiB of one hidden layer's output for the validation batch
+    # each of the 2 hidden layers keeps its ReLU's output, and dropout's mask and output (a float mask on the CPU)
+    assert 2 * hidden <= kib <= 8 * hidden
 
 
 # ----- the lesson's GPU-only experiment -------------------------------------------------------------
@@ -327,3 +459,18 @@ def test_the_fragmentation_script_fails_by_default_and_fits_with_expandable_segm
     assert runs[None]["allocator"] == "default" and not runs[None]["large_fits"]
     expandable = runs["expandable_segments:True"]
     assert expandable["allocator"] == "expandable segments" and expandable["large_fits"]
+
+
+# ----- the solution notebook ---------------------------------------------------------------------------------
+
+def code_lines(source: str) -> list[str]:
+    """The lines of code in ``source``: no comments, blank lines, solution markers or placeholders."""
+    return [line.split("#")[0].rstrip() for line in source.splitlines()
+            if line.split("#")[0].strip() and "= ____" not in line]
+
+
+@pytest.mark.parametrize("question", [lesson05.q1, lesson05.q2, lesson05.q3], ids=lambda q: q.name)
+def test_the_solution_notebook_holds_the_solution_each_question_shows(question):
+    notebook = nbformat.read(ROOT / "solutions" / "05_memory.ipynb", as_version=4)
+    answers = [code_lines(c.source) for c in notebook.cells if "### BEGIN SOLUTION" in c.source]
+    assert code_lines(question.solution_text) in answers

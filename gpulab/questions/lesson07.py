@@ -1,22 +1,32 @@
 """Lesson 07, more than one GPU: bus bandwidth from a timing, bytes per rank under DDP, ZeRO and FSDP, and
-gradient accumulation with no_sync() (run on two gloo ranks by the check)."""
+gradient accumulation with no_sync() (run on two gloo ranks by the check).
+
+Each expected value is computed only once the learner's function has returned: an answer that looks through its
+callers' frames finds none. The ranks of q3 report what the function did; this process compares it with a
+reference of its own."""
 
 import gc
 import inspect
 import math
 import tempfile
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import distributed
 from ..check import Question, Wrong
 from ..models import WideMLP
+
+
+def _is_number(value) -> bool:
+    """An int, a float or a number that converts to one (numpy's, a 0-d tensor), not a bool."""
+    return not isinstance(value, bool) and (isinstance(value, (int, float)) or hasattr(value, "__float__"))
+
 
 # ----- q1: bus bandwidth from a timing ---------------------------------------------------------------
 
@@ -32,9 +42,9 @@ _BANDWIDTH_CASES = [  # (op, nbytes, seconds, ranks)
 def _check_bus_bandwidth(bus_bandwidth_gbs) -> str:
     if not callable(bus_bandwidth_gbs):
         raise Wrong("pass your function itself: `q1.check(bus_bandwidth_gbs)`")
-    for op, nbytes, seconds, ranks in _BANDWIDTH_CASES:
-        got = bus_bandwidth_gbs(op, nbytes, seconds, ranks)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) and not hasattr(got, "__float__"):
+    answers = [bus_bandwidth_gbs(*case) for case in _BANDWIDTH_CASES]  # before any expected value exists
+    for (op, nbytes, seconds, ranks), got in zip(_BANDWIDTH_CASES, answers):
+        if not _is_number(got):
             raise Wrong(f"bus_bandwidth_gbs({op!r}, ...) should return a number of GB/s, got {type(got).__name__}")
         got, algbw = float(got), nbytes / seconds / 1e9
         expected = distributed.bus_bandwidth(op, nbytes, seconds, ranks) / 1e9
@@ -44,8 +54,8 @@ def _check_bus_bandwidth(bus_bandwidth_gbs) -> str:
         if math.isclose(got, algbw, rel_tol=1e-6):
             raise Wrong(f"{case}: {got:.4g} GB/s is the algorithm bandwidth (bytes / time); the bus bandwidth "
                         "multiplies it by what each rank's link carries in a ring, nccl-tests' factor")
-        for factor, why in ((8, "GB/s counts bytes, not bits"), (1e9 / 2**30, "a GB is 10⁹ bytes here, as in "
-                                                                               "nccl-tests, not 2³⁰")):
+        for factor, why in ((8, "GB/s counts bytes, not bits"), (1e9, "that is bytes/s: divide by 10⁹ for GB/s"),
+                            (1e9 / 2**30, "a GB is 10⁹ bytes here, as in nccl-tests, not 2³⁰")):
             if math.isclose(got, expected * factor, rel_tol=1e-6):
                 raise Wrong(f"{case}: expected {expected:.4g} GB/s, got {got:.4g}: {why}")
         if op == "all_reduce" and math.isclose(got, algbw * (ranks - 1) / ranks, rel_tol=1e-6):
@@ -64,6 +74,7 @@ STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "FSDP")
 _SHARDED = {"DDP": (), "ZeRO-1": ("optimizer",), "ZeRO-2": ("gradients", "optimizer"),
             "FSDP": ("parameters", "gradients", "optimizer")}
 _BYTES_PER_PARAMETER = {"parameters": 4, "gradients": 4, "optimizer": 8}  # float32, AdamW's two moments
+_BYTES_CASES = ((1_000_000, 4), (124_000_000, 8), (7_000_000_000, 64), (10_000, 1))  # (parameters, ranks)
 
 
 def expected_bytes(num_params: int, ranks: int, strategy: str) -> dict:
@@ -75,29 +86,39 @@ def expected_bytes(num_params: int, ranks: int, strategy: str) -> dict:
 def _check_bytes(bytes_per_rank) -> str:
     if not callable(bytes_per_rank):
         raise Wrong("pass your function itself: `q2.check(bytes_per_rank)`")
-    for num_params, ranks in ((1_000_000, 4), (124_000_000, 8), (7_000_000_000, 64), (10_000, 1)):
-        for strategy in STRATEGIES:
-            got = bytes_per_rank(num_params, ranks, strategy)
-            case = f"{strategy}, {num_params:,} parameters on {ranks} ranks"
-            if not isinstance(got, dict) or set(got) != set(_BYTES_PER_PARAMETER):
-                raise Wrong(f"{case}: return a dict with the keys 'parameters', 'gradients' and 'optimizer', "
-                            f"got {got!r}")
-            expected = expected_bytes(num_params, ranks, strategy)
-            for part, value in expected.items():
-                if not math.isclose(float(got[part]), value, rel_tol=1e-3):  # room for rounding up a shard
-                    raise Wrong(f"{case}: {part} should take {value:,.0f} bytes per rank, got {float(got[part]):,.0f}."
-                                + _why(part, float(got[part]), value, num_params, ranks, strategy))
+    cases = [(num_params, ranks, strategy) for num_params, ranks in _BYTES_CASES for strategy in STRATEGIES]
+    answers = [bytes_per_rank(*case) for case in cases]  # before any expected value exists
+    for (num_params, ranks, strategy), got in zip(cases, answers):
+        case = f"{strategy}, {num_params:,} parameters on {ranks} ranks"
+        if not isinstance(got, dict) or set(got) != set(_BYTES_PER_PARAMETER):
+            raise Wrong(f"{case}: return a dict with the keys 'parameters', 'gradients' and 'optimizer', got {got!r}")
+        for part, value in expected_bytes(num_params, ranks, strategy).items():
+            if not _is_number(got[part]):
+                raise Wrong(f"{case}: {part} should be a number of bytes, got {got[part]!r}")
+            if not math.isclose(float(got[part]), value, rel_tol=1e-3):  # room for rounding up a shard
+                raise Wrong(f"{case}: {part} should take {value:,.0f} bytes per rank, got {float(got[part]):,.0f}."
+                            + _why(part, float(got[part]), value, ranks, strategy))
     return ("your bytes per rank match the ZeRO accounting: DDP holds 16 bytes per parameter on every rank, FSDP "
             "16/N; a 7 B-parameter model needs 112 GB per GPU under DDP and 1.75 GB on 64 GPUs with FSDP.")
 
 
-def _why(part, got, expected, num_params, ranks, strategy) -> str:
+def _why(part, got, expected, ranks, strategy) -> str:
+    """The likely mistake behind ``got`` bytes of ``part`` where ``expected`` were right, or the rule."""
     sharded = part in _SHARDED[strategy]
-    if part == "optimizer" and math.isclose(got * 2, expected, rel_tol=1e-3):
+    close = lambda factor: math.isclose(got * factor, expected, rel_tol=1e-3)
+    if close(1e9) or close(2**30):
+        return " Return bytes, not GB."
+    if part == "optimizer" and close(2):
         return " AdamW keeps two float32 moments per parameter (exp_avg and exp_avg_sq): 8 bytes."
-    if ranks > 1 and not sharded and math.isclose(got * ranks, expected, rel_tol=1e-3):
+    if part == "optimizer" and close(2 / 3):
+        return (" AdamW's state is its two float32 moments, 8 bytes; the ZeRO paper's 12 also counts the float32 "
+                "master weights that mixed-precision training keeps.")
+    if part != "optimizer" and close(2):
+        return (f" In float32 training the {part} take 4 bytes each; 2 is fp16 or bf16 (the ZeRO paper's 2 + 2 + 12 "
+                "bytes per parameter is mixed precision).")
+    if ranks > 1 and not sharded and close(ranks):
         return f" {strategy} does not shard the {part}: every rank holds all of them."
-    if ranks > 1 and sharded and math.isclose(got, expected * ranks, rel_tol=1e-3):
+    if ranks > 1 and sharded and close(1 / ranks):
         return f" {strategy} shards the {part}: each of the {ranks} ranks holds 1/{ranks} of them."
     return f" ({_BYTES_PER_PARAMETER[part]} bytes per parameter" + (f", divided over {ranks} ranks)." if sharded else ").")
 
@@ -108,81 +129,158 @@ MICRO_BATCHES, PER_MICRO_BATCH = 4, 3
 TIME_LIMIT = 300  # seconds the two-rank run of a check may take (two Python processes start: ~10 s on 2 cores)
 
 
+def _global_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of one optimizer step over ``world`` ranks: MICRO_BATCHES × PER_MICRO_BATCH per rank."""
+    gen = torch.Generator().manual_seed(7)
+    total = world * MICRO_BATCHES * PER_MICRO_BATCH
+    return torch.randn(total, 12, generator=gen, dtype=torch.float64), torch.randint(0, 10, (total,), generator=gen)
+
+
+def _model() -> torch.nn.Module:
+    return WideMLP(in_features=12, width=16, depth=2, seed=3).double()
+
+
+def _shard(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's samples of the global batch, as copies: nothing in this rank holds the others'."""
+    x, y = _global_batch(world)
+    mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+    return x[mine].clone(), y[mine].clone()
+
+
+def _reference_gradients(world: int) -> torch.Tensor:
+    """One process's gradients on the whole global batch, flattened: what every rank's should equal."""
+    x, y = _global_batch(world)
+    model = _model()
+    F.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 def accumulation_report(accumulate) -> dict:
     """Run ``accumulate(model, micro_batches)`` on this rank of the default process group; what it did.
 
-    The model is a DDP-wrapped float64 MLP with small buckets; ``micro_batches`` is this rank's shard of a global
-    batch, split in MICRO_BATCHES. The report compares the gradients with one process's on the whole global
-    batch and counts the bucket all-reduces, against those of one ordinary backward pass.
+    The model is a DDP-wrapped float64 MLP with small buckets; ``micro_batches`` is this rank's shard of the global
+    batch, split in MICRO_BATCHES. The report holds the gradients, the forward passes with their batch sizes and
+    the backward passes in order, and the bytes all-reduced, against those of one ordinary backward pass. No
+    reference exists in this process: the caller compares the gradients with its own, computed afterwards.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(7)
-    total = world * MICRO_BATCHES * PER_MICRO_BATCH
-    x = torch.randn(total, 12, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 10, (total,), generator=gen)
-
-    single = WideMLP(in_features=12, width=16, depth=2, seed=3).double()
-    F.cross_entropy(single(x), y).backward()
-    reference = [p.grad for p in single.parameters()]
-
-    model = DDP(WideMLP(in_features=12, width=16, depth=2, seed=3).double(), bucket_cap_mb=0.001)
-    state = {"all_reduces": 0}
-    model.register_comm_hook(state, _counting_allreduce)
-    shard = slice(rank * total // world, (rank + 1) * total // world)
-    mine_x, mine_y = x[shard], y[shard]
-    for _ in range(2):  # the first backward passes build DDP's buckets; then one ordinary step, counted
-        state["all_reduces"] = 0
-        F.cross_entropy(model(mine_x), mine_y).backward()
-        model.zero_grad(set_to_none=True)
-    buckets = state["all_reduces"]
-
-    weights = [p.detach().clone() for p in model.parameters()]
-    state["all_reduces"] = 0
-    accumulate(model, list(zip(mine_x.chunk(MICRO_BATCHES), mine_y.chunk(MICRO_BATCHES))))
+    x, y = _shard(rank, world)
+    model = DDP(_model(), bucket_cap_mb=0.001)
+    model.register_comm_hook(None, _bucket_all_reduce)
+    state = {"all_reduced": 0}
+    with _counting_all_reduces(state):
+        for _ in range(2):  # the first backward builds DDP's buckets; the second, an ordinary one, is counted
+            state["all_reduced"] = 0
+            F.cross_entropy(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+        per_backward = state["all_reduced"]
+        weights = [p.detach().clone() for p in model.parameters()]
+        state["all_reduced"], forwards, passes = 0, [], []
+        model.module.register_forward_hook(_recording(forwards, passes))
+        accumulate(model, list(zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES))))
     grads = [p.grad for p in model.parameters()]
-    report = {"rank": rank, "world": world, "buckets": buckets, "all_reduces": state["all_reduces"],
-              "weights_changed": any(not torch.equal(w, p) for w, p in zip(weights, model.parameters())),
-              "missing_gradients": any(g is None for g in grads)}
-    if not report["missing_gradients"]:
-        flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in reference])
-        report["difference"] = ((flat - ref).abs().max() / ref.abs().max()).item()
-        report["scale"] = (flat @ ref / (ref @ ref)).item()  # how many times the right gradients, at best fit
-    return report
+    return {"rank": rank, "world": world, "forwards": forwards, "passes": "".join(passes),
+            "all_reduced": state["all_reduced"], "per_backward": per_backward,
+            "weights_changed": any(not torch.equal(w, p) for w, p in zip(weights, model.parameters())),
+            "gradients": None if any(g is None for g in grads) else torch.cat([g.flatten() for g in grads]).tolist()}
 
 
-def _counting_allreduce(state, bucket):
-    state["all_reduces"] += 1
-    return allreduce_hook(None, bucket)
+def _bucket_all_reduce(state, bucket):
+    """DDP's all-reduce of a bucket, averaged over the ranks (torch's allreduce_hook), through
+    ``dist.all_reduce`` so that it is counted with the learner's own."""
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _judge(report: dict) -> None:
-    """Raise Wrong unless the rank's report shows the right gradients from one all-reduce per bucket."""
+@contextmanager
+def _counting_all_reduces(state: dict):
+    """Within the block, ``torch.distributed.all_reduce`` adds the bytes it reduces to ``state["all_reduced"]``."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        state["all_reduced"] += tensor.numel() * tensor.element_size()
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def _recording(forwards: list, passes: list):
+    """A forward hook: each forward's batch size, and "F" then "B" in ``passes`` when its backward reaches it."""
+    def hook(module, args, output):
+        forwards.append(len(args[0]))
+        passes.append("F")
+        if output.requires_grad:
+            output.register_hook(lambda grad: passes.append("B"))
+    return hook
+
+
+def _judge(report: dict, reference: torch.Tensor) -> None:
+    """Raise Wrong unless the rank ran each micro-batch forward and backward in turn, all-reduced the gradients
+    once, and ended with ``reference``."""
     where = f"(on {report['world']} rank{'s' if report['world'] > 1 else ''})"
     if report["weights_changed"]:
         raise Wrong(f"{where} the weights changed: only accumulate the gradients, the caller calls optimizer.step()")
-    if report["missing_gradients"]:
+    if report["gradients"] is None:
         raise Wrong(f"{where} some parameters have no gradient: call backward() for every micro-batch")
-    calls, buckets, k = report["all_reduces"], report["buckets"], MICRO_BATCHES
-    if calls == 0:
+    _judge_passes(report["forwards"], report["passes"], where)
+    _judge_all_reduced(report["all_reduced"], report["per_backward"], where)
+    _judge_gradients(torch.tensor(report["gradients"], dtype=torch.float64), reference, report["world"], where)
+
+
+def _judge_passes(forwards: list[int], passes: str, where: str) -> None:
+    k, n = MICRO_BATCHES, PER_MICRO_BATCH
+    if forwards == [k * n]:
+        raise Wrong(f"{where} one forward pass on all {k * n} samples: that is one large batch, not accumulation. Run "
+                    f"each micro-batch ({n} samples) forward and backward in turn, so that only one micro-batch's "
+                    "activations are alive at a time")
+    if forwards != [n] * k:
+        raise Wrong(f"{where} forward passes on batches of {forwards} samples: run each of the {k} micro-batches "
+                    f"({n} samples) forward once")
+    if passes.count("B") != k:
+        raise Wrong(f"{where} {passes.count('B')} backward passes reached the model's outputs for {k} forwards: call "
+                    "backward() once on each micro-batch's loss")
+    waiting = max(passes[:i].count("F") - passes[:i].count("B") for i in range(len(passes) + 1))
+    if waiting > 1:
+        raise Wrong(f"{where} the forwards of {waiting} micro-batches ran before their backward passes (a sum of their "
+                    "losses, backpropagated once?): their activations were alive together, as in one large batch. "
+                    "Call backward() on each micro-batch's loss right after its forward")
+
+
+def _judge_all_reduced(nbytes: int, per_backward: int, where: str) -> None:
+    k, times = MICRO_BATCHES, nbytes / per_backward  # how many times the gradients were all-reduced
+    if nbytes == 0:
         raise Wrong(f"{where} the gradients were never all-reduced: the last micro-batch's backward() must run "
                     "outside no_sync(), or every rank keeps only its own gradients")
-    if calls >= k * buckets:
-        raise Wrong(f"{where} {calls} bucket all-reduces for one optimizer step, {k}× the {buckets} of one backward "
-                    "pass: run every backward() but the last inside `with model.no_sync():`")
-    if calls != buckets:
-        raise Wrong(f"{where} {calls} bucket all-reduces for one optimizer step; one backward pass makes {buckets}: "
-                    "only the last micro-batch's backward() should run outside no_sync()")
-    if report["difference"] > 1e-9:
-        scale = report["scale"]
-        if math.isclose(scale, k, rel_tol=1e-6):
-            raise Wrong(f"{where} the gradients are {k}× too large: backward() adds up, so divide each micro-batch's "
-                        f"loss by the number of micro-batches ({k})")
-        if report["world"] > 1 and math.isclose(scale, 1 / report["world"], rel_tol=1e-6):
-            raise Wrong(f"{where} the gradients are {report['world']}× too small: DDP already averages over the ranks, "
-                        "do not divide the loss by the world size")
-        raise Wrong(f"{where} the gradients differ from one process's on the whole batch (by {report['difference']:.1e}"
-                    " of the largest): backward() every micro-batch's loss / number of micro-batches, without "
-                    "clearing .grad in between")
+    if times >= k:
+        raise Wrong(f"{where} the gradients were all-reduced {times:g} times for one optimizer step, once per "
+                    "micro-batch: run every backward() but the last inside `with model.no_sync():`")
+    if not math.isclose(times, 1, rel_tol=1e-6):
+        raise Wrong(f"{where} {times:.3g}× the gradients' bytes were all-reduced for one optimizer step; once is "
+                    "enough: only the last micro-batch's backward() should run outside no_sync()")
+
+
+def _judge_gradients(grads: torch.Tensor, reference: torch.Tensor, world: int, where: str) -> None:
+    k = MICRO_BATCHES
+    difference = ((grads - reference).abs().max() / reference.abs().max()).item()
+    if difference <= 1e-9:
+        return
+    scale = (grads @ reference / (reference @ reference)).item()  # how many times the right gradients, at best fit
+    if math.isclose(scale, k, rel_tol=1e-6):
+        raise Wrong(f"{where} the gradients are {k}× too large: backward() adds up, so divide each micro-batch's "
+                    f"loss by the number of micro-batches ({k})")
+    if world > 1 and math.isclose(scale, 1 / world, rel_tol=1e-6):
+        raise Wrong(f"{where} the gradients are {world}× too small: DDP already averages over the ranks, "
+                    "do not divide the loss by the world size")
+    if world > 1 and math.isclose(scale, world, rel_tol=1e-6):
+        raise Wrong(f"{where} the gradients are {world}× too large: all_reduce sums over the ranks, so divide by "
+                    "the world size (DDP's own all-reduce averages)")
+    raise Wrong(f"{where} the gradients differ from one process's on the whole batch (by {difference:.1e} of the "
+                "largest): backward() every micro-batch's loss / number of micro-batches, without clearing .grad "
+                "in between")
 
 
 def _check_accumulation(accumulate) -> str:
@@ -191,17 +289,21 @@ def _check_accumulation(accumulate) -> str:
     if not dist.is_initialized():  # one rank, in this process: quick, and most mistakes show already
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            _judge(accumulation_report(accumulate))
+            report = accumulation_report(accumulate)
         finally:
             gc.collect()  # free the DDP model (its hooks make cycles) before its process group goes
             dist.destroy_process_group()
-    _judge_two_ranks(accumulate)
-    return (f"{MICRO_BATCHES} micro-batches, one all-reduce per bucket, and on two gloo ranks the gradients equal one "
-            "process's on the whole batch.")
+        _judge(report, _reference_gradients(world=1))
+    reports = _two_rank_reports(accumulate)
+    reference = _reference_gradients(world=2)  # only now: the ranks have finished
+    for report in reports:
+        _judge(report, reference)
+    return (f"{MICRO_BATCHES} micro-batches, each forward then backward, the gradients all-reduced once, and on two "
+            "gloo ranks they equal one process's on the whole batch.")
 
 
-def _judge_two_ranks(accumulate) -> None:
-    """Write the function into a script, run it on two gloo ranks under torchrun, and judge both ranks' reports."""
+def _two_rank_reports(accumulate) -> list[dict]:
+    """Write the function into a script, run it on two gloo ranks under torchrun: both ranks' reports."""
     try:
         source = textwrap.dedent(inspect.getsource(accumulate))
     except (OSError, TypeError):
@@ -218,11 +320,11 @@ def _judge_two_ranks(accumulate) -> None:
     reports = run.results(rank=None)
     if len(reports) != 2:
         raise Wrong(f"on two ranks, expected a report from each rank, got {len(reports)}")
-    for report in reports:
-        _judge(report)
+    return reports
 
 
 SCRIPT = """\
+import contextlib
 import gc
 import json
 from contextlib import nullcontext
