@@ -45,25 +45,90 @@ def _axes(ax):
 
 
 def bars(values: dict, *, baseline: str | None = None, unit: str = "", higher_is_better: bool = True,
-         title: str = "", ax=None):
-    """Horizontal bars, one per label, each annotated with its value and its speed-up over ``baseline``."""
+         comparisons: dict | None = None, title: str = "", ax=None):
+    """Horizontal bars, one per label, each annotated with its value and its speed-up over ``baseline``.
+
+    ``comparisons`` maps a label to its ``gpulab.Comparison`` against the baseline: its median speed-up, the
+    interval and the verdict are written instead of the plain ratio of two values (which hides the noise).
+    """
     ax = _axes(ax)
     labels, heights = list(values), [float(v) for v in values.values()]
     base = values[baseline] if baseline is not None else None
+    comparisons = comparisons or {}
     with style():
         colors = ["tab:gray" if label == baseline else "tab:blue" for label in labels]
         ax.barh(labels, heights, color=colors)
         ax.invert_yaxis()
-        for i, value in enumerate(heights):
+        texts = []
+        for i, (label, value) in enumerate(zip(labels, heights)):
             text = f" {value:.3g} {unit}"
-            if base:
+            if label in comparisons:
+                text += f"  ({speedup_text(comparisons[label])})"
+            elif base:
                 speedup = value / base if higher_is_better else base / value
                 text += f"  ({speedup:.2f}×)"
-            ax.text(value, i, text, va="center")
-        ax.set_xlim(0, max(heights) * 1.35 if heights else 1)
+            texts.append(ax.text(value, i, text, va="center"))
+        ax.set_xlim(0, max(heights) * 1.05 if heights else 1)
         ax.set_xlabel(unit)
         ax.set_title(title)
+        fit_labels(ax, texts)
     return ax
+
+
+def speedup_text(comparison) -> str:
+    """"1.84× (1.70–1.95×)", or "1.03×, within noise (0.95–1.10×)": a speed-up never without its spread."""
+    low, high = comparison.interval
+    noise = ", within noise" if comparison.verdict == "within noise" else ""
+    return f"{comparison.speedup:.2f}×{noise} ({low:.2f}–{high:.2f}×)"
+
+
+_VERDICT_COLORS = {"faster": "tab:green", "slower": "tab:red", "within noise": "0.6"}
+
+
+def speedups(comparisons, *, title: str = "", ax=None):
+    """Speed-ups with their spread: one bar per ``gpulab.Comparison`` (a list, or a dict whose keys name them),
+    its median ratio with the interval as an error bar, green when faster, red when slower, grey within noise;
+    a line at 1×."""
+    ax = _axes(ax)
+    named = list(comparisons.items()) if isinstance(comparisons, dict) else [
+        (f"{c.candidate} vs {c.baseline}", c) for c in comparisons]
+    names, values = [n for n, _ in named], [c for _, c in named]
+    with style():
+        errors = list(zip(*(c.errorbar() for c in values))) if values else None
+        ax.barh(names, [c.speedup for c in values], xerr=errors, capsize=3, ecolor="0.25",
+                color=[_VERDICT_COLORS[c.verdict] for c in values])
+        ax.axvline(1, color="0.3", linestyle="--", linewidth=1)
+        ax.invert_yaxis()
+        texts = [ax.text(c.interval[1], i, f"  {speedup_text(c)}", va="center", fontsize="small")
+                 for i, c in enumerate(values)]
+        ax.set_xlim(0, max([c.interval[1] for c in values] + [1]) * 1.05)
+        ax.set_xlabel("speed-up (×), median of interleaved pairs with its interval")
+        ax.set_title(title)
+        ax.legend(handles=[Patch(color=color, label=verdict) for verdict, color in _VERDICT_COLORS.items()],
+                  fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fit_labels(ax, texts)
+    return ax
+
+
+def fit_labels(ax, texts, *, axis: str = "x") -> None:
+    """Widen the data limits (linear axes) until every text lies inside the axes: a label never runs into the
+    next panel. A text keeps its place in data coordinates and its size in pixels, so the upper limit needed is
+    low + (start − low) / (1 − size / axes size) for each text."""
+    if not texts:
+        return
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    along = 0 if axis == "x" else 1
+    low, high = ax.get_xlim() if axis == "x" else ax.get_ylim()
+    span_px = frame.width if axis == "x" else frame.height
+    needed = high
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        start = ax.transData.inverted().transform((box.x0, box.y0))[along]
+        size_px = box.width if axis == "x" else box.height
+        if size_px < 0.9 * span_px:
+            needed = max(needed, low + (start - low) / (1 - size_px / span_px) * 1.02)
+    (ax.set_xlim if axis == "x" else ax.set_ylim)(low, needed)
 
 
 def curves(frame, x: str, y: str, *, by: str | None = None, logx: bool = True, logy: bool = True,
@@ -528,21 +593,29 @@ _ACCURACY_LOST = {"facecolor": "#f4b6b6", "edgecolor": "tab:red", "hatch": "//"}
 _WATERFALL_TICKS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, title: str = "", ax=None):
+def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, intervals=None, title: str = "", ax=None):
     """A waterfall of speed-ups: one floating bar per step from the level before it to that level × its ``ratio``
     (its speed over the configuration before it), then the total. Steps not ``kept`` leave the level where it was:
-    grey when they were not faster, hatched red where ``accuracy_lost`` says they cost accuracy. The y axis is
-    logarithmic: speed-ups multiply."""
+    grey when they were not faster, hatched red where ``accuracy_lost`` says they cost accuracy. ``intervals``
+    ((low, high) per step, or None) draw each ratio's spread as an error bar at the top of its bar. The y axis is
+    logarithmic: speed-ups multiply. The legend sits beside the axes, never on a bar."""
     ax = _axes(ax)
     kept = [True] * len(steps) if kept is None else list(kept)
     accuracy_lost = [False] * len(steps) if accuracy_lost is None else list(accuracy_lost)
+    intervals = [None] * len(steps) if intervals is None else list(intervals)
     level = 1.0
     with style():
-        for i, (ratio, keep, lost) in enumerate(zip(ratios, kept, accuracy_lost)):
+        for i, (ratio, keep, lost, spread) in enumerate(zip(ratios, kept, accuracy_lost, intervals)):
             top = level * ratio
             look = _KEPT if keep else _ACCURACY_LOST if lost else _NOT_FASTER
             ax.bar(i, abs(math.log(top / level)), bottom=math.log(min(level, top)), width=0.7, **look)
-            ax.annotate(f"{ratio:.2f}×", (i, math.log(max(level, top))), xytext=(0, 2), textcoords="offset points",
+            label_at = max(level, top)
+            if spread is not None:
+                low, high = (math.log(level * r) for r in spread)
+                ax.errorbar(i, math.log(top), yerr=[[math.log(top) - low], [high - math.log(top)]], color="0.2",
+                            capsize=3, linewidth=1)
+                label_at = max(label_at, level * spread[1])
+            ax.annotate(f"{ratio:.2f}×", (i, math.log(label_at)), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize="small")
             level = top if keep else level
         ax.bar(len(steps), math.log(level), bottom=0, width=0.7, color="tab:blue")
@@ -554,13 +627,16 @@ def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, title: str = "", 
         ax.autoscale_view()
         ax.set_xticks(range(len(steps) + 1), [*steps, "total"], rotation=35, ha="right")
         low, high = ax.get_ylim()
+        ax.set_ylim(low, high + 0.08 * (high - low))  # room for the labels above the highest bar
+        low, high = ax.get_ylim()
         ticks = [t for t in _WATERFALL_TICKS if low - 1e-9 <= math.log(t) <= high + 1e-9]
         ticks = ticks[:: max(1, math.ceil(len(ticks) / 8))]  # at most 8 labels
         ax.set_yticks([math.log(t) for t in ticks], [f"{t:g}×" for t in ticks])
         ax.legend(handles=[Patch(**_KEPT, label="kept: faster, accuracy kept"),
                            Patch(**_NOT_FASTER, label="dropped: not faster beyond the noise"),
                            Patch(**_ACCURACY_LOST, label="dropped: accuracy fell"),
-                           Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left")
+                           Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
         ax.set_ylabel("speed-up over the naive baseline")
         ax.set_title(title)
     return ax

@@ -194,3 +194,53 @@ def test_scaling_pairs_two_bounds_of_a_link_in_one_colour_and_two_line_styles():
     assert ax.get_xscale() == "log" and [t.get_text() for t in ax.get_xticklabels()
                                          if low <= t.get_position()[0] <= high and t.get_text()] == ["1", "2", "4"]
     plt.close(ax.figure)
+
+
+def _overlaps(boxes) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_waterfall_draws_each_steps_spread_and_keeps_its_legend_off_the_bars():
+    ax = plots.waterfall(["a", "b", "c"], [2.0, 1.02, 1.5], kept=[True, False, True],
+                         intervals=[(1.8, 2.3), (0.9, 1.15), None])
+    from matplotlib.container import ErrorbarContainer
+
+    assert sum(isinstance(c, ErrorbarContainer) for c in ax.containers) == 2 and ax.texts[0].get_text() == "2.00×"
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not any(legend.overlaps(bar.get_window_extent(renderer)) for bar in ax.patches)
+    labels = [t.get_window_extent(renderer) for t in ax.texts]
+    assert not _overlaps(labels) and all(ax.get_window_extent(renderer).contains(b.x0, b.y0) for b in labels)
+    plt.close(ax.figure)
+
+
+def test_speedups_show_the_interval_and_the_verdict_and_keep_labels_inside():
+    from gpulab import Comparison
+
+    comparisons = {"clear": Comparison.of([2.0] * 6, [1.0] * 6),
+                   "noise": Comparison.of([1.0, 1.1, 0.9, 1.0, 1.05, 0.97], [1.0] * 6),
+                   "slower": Comparison.of([1.0] * 6, [1.5] * 6)}
+    ax = plots.speedups(comparisons, title="t")
+    texts = [t.get_text() for t in ax.texts]
+    assert texts[0].strip() == "2.00× (2.00–2.00×)" and "within noise" in texts[1] and "0.67×" in texts[2]
+    colors = [bar.get_facecolor() for bar in ax.patches[:3]]
+    assert len(set(colors)) == 3
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    assert all(frame.x0 <= t.get_window_extent(renderer).x1 <= frame.x1 + 1 for t in ax.texts)
+    plt.close(ax.figure)
+
+
+def test_bars_say_a_comparisons_spread_instead_of_a_bare_ratio_and_fit_their_labels():
+    from gpulab import Comparison
+
+    noisy = Comparison.of([2.0, 2.4, 0.9, 2.2, 1.2, 2.1], [1.0] * 6)
+    ax = plots.bars({"slow": 2.0, "fast but noisy": 1.0}, baseline="slow", unit="ms", higher_is_better=False,
+                    comparisons={"fast but noisy": noisy})
+    assert "within noise (0.90–2.40×)" in ax.texts[1].get_text()
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    assert all(t.get_window_extent(renderer).x1 <= ax.get_window_extent(renderer).x1 + 1 for t in ax.texts)
+    plt.close(ax.figure)
