@@ -38,6 +38,7 @@ from . import conditions
 from .check import Wrong
 
 SIDES = ("baseline", "answer")
+_clock = time.perf_counter  # bound now: a notebook that later patches time.perf_counter does not reach it
 
 
 @dataclass
@@ -74,11 +75,11 @@ class Side:
     def trial(self, seed: int, time_limit: float) -> Trial:
         """Run one trial: resume, order it, time it until "done", read its report, suspend again."""
         self.resume()
-        start = time.perf_counter()
+        start = _clock()
         self._send({"seed": seed})
         marks, seconds = [], None
         while True:
-            arrived, message = self._next(time_limit - (time.perf_counter() - start), f"trial {seed}")
+            arrived, message = self._next(time_limit - (_clock() - start), f"trial {seed}")
             if message["event"] == "mark":
                 marks.append((arrived - start, message))
             elif message["event"] == "done" and seconds is None:
@@ -89,6 +90,14 @@ class Side:
         if seconds is None:
             raise Wrong(f"the {self.side}'s trial reported without saying when its timed call ended")
         return Trial(self.side, seed, seconds, marks, message["report"])
+
+    def probe(self, name: str, time_limit: float) -> dict:
+        """The task's untimed report ``name`` on this side's function (what it does, observed there)."""
+        self.resume()
+        self._send({"probe": name})
+        _, message = self._next(time_limit, f"probe {name}", expect="report")
+        self.suspend()
+        return message["report"]
 
     def _next(self, time_limit: float, during: str, expect: str | None = None) -> tuple[float, dict]:
         try:
@@ -116,14 +125,14 @@ class Side:
 
     def _read(self, channel) -> None:
         for line in channel:
-            arrived = time.perf_counter()
+            arrived = _clock()
             try:
                 message = json.loads(line)
             except ValueError:
                 continue
             if isinstance(message, dict):
                 self.messages.put((arrived, message))
-        self.messages.put((time.perf_counter(), None))
+        self.messages.put((_clock(), None))
 
     def _keep_stderr(self) -> None:
         for line in self.process.stderr:
@@ -189,6 +198,9 @@ class Duel:
 
     def trial(self, side: str, seed: int) -> Trial:
         return self.sides[side].trial(seed, self.trial_limit)
+
+    def probe(self, side: str, name: str) -> dict:
+        return self.sides[side].probe(name, self.trial_limit)
 
     def pairs(self, seeds) -> list[tuple[Trial, Trial]]:
         """One baseline and one answer trial per seed, alternating which goes first."""

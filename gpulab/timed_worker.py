@@ -3,8 +3,8 @@
 The parent (``gpulab.timed_check``) sends a job as the first line of stdin: the task (``module:attribute``), the
 side ("baseline" or "answer"), the answer's source and name, the CPU threads, and the number of the file
 descriptor to report on. The worker builds the function, warms the device up, says "ready", then runs one
-trial per ``{"seed": N}`` line. Its reports are JSON lines on that descriptor; whatever the answer prints goes
-to stderr, which the parent keeps for error messages.
+trial per ``{"seed": N}`` line, or the task's untimed ``probe`` per ``{"probe": name}`` line. Its reports are
+JSON lines on that descriptor; whatever the answer prints goes to stderr, which the parent keeps for errors.
 """
 
 import importlib
@@ -89,7 +89,10 @@ def main() -> int:
     for line in sys.stdin:
         order = json.loads(line)
         try:
-            report = task.trial(fn, order["seed"], events)
+            if "probe" in order:  # untimed: what the function does, observed (see the task's probe)
+                report = task.probe(fn, order["probe"])
+            else:
+                report = task.trial(fn, order["seed"], events)
         except Exception as err:
             events.send("error", message=where(err), kind=type(err).__name__, during="trial")
             continue

@@ -10,6 +10,7 @@ from gpulab import models, traces
 from gpulab.check import ____
 from gpulab.questions import lesson06
 from gpulab.questions.lesson06 import slow_epoch
+from gpulab.timed_check import Trial, pack_state
 
 from .conftest import shown_solution
 
@@ -244,7 +245,8 @@ def test_right_answers_on_a_real_profile_pass(question, answer, profiled):
     (lesson06.q4, lambda: right(lesson06.q4, "recorded_steps")),
     (lesson06.q4, lambda: recorded_by_cycles),
 ], ids=["q3", "q3-up-front", "q4", "q4-cycles"])
-def test_right_answers_pass(question, answer):
+def test_right_answers_pass(question, answer, monkeypatch):
+    monkeypatch.setattr(lesson06, "SPEEDUP", 0.5)  # q3's speed decision is tested with injected timings below
     question.check(answer())
     assert question.last.status == "correct", question.last.message
 
@@ -285,19 +287,103 @@ def test_q2_says_when_the_trace_is_missing(tmp_path):
     assert lesson06.q2.last.status == "wrong" and "pass the trace you exported" in lesson06.q2.last.message
 
 
+def mean_of_batch_accuracies(model, optimizer, images, labels, batch_size):
+    total, accuracies, steps = torch.zeros(()), torch.zeros(()), 0
+    for start in range(0, len(images), batch_size):
+        x, y = _batch_standardised(images, start, batch_size), labels[start:start + batch_size]
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total += loss.detach()
+        accuracies += (logits.argmax(dim=1) == y).float().mean()
+        steps += 1
+    return (total / steps).item(), (accuracies / steps).item()
+
+
+def copies_what_the_check_computed(model, optimizer, images, labels, batch_size):
+    """Returns the check's expected result if it can find one in a caller's frame, else does nothing."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame:
+        for value in frame.f_locals.values():
+            if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, float) for v in value):
+                return value
+        frame = frame.f_back
+    return 0.0, 0.0
+
+
 @pytest.mark.parametrize("wrong, says", [
     (slow_epoch, "read values back to Python"),
-    (accuracy_per_image_on_device, "it needs to be at least"),
+    (accuracy_per_image_on_device, "a Python loop over images"),
     (vectorised_but_item_each_step, "read values back to Python"),
     (standardised_per_batch, "trains differently"),
     (no_zero_grad, "trains differently"),
     (accuracy_in_percent, "a percentage?"),
+    (mean_of_batch_accuracies, "the mean of the batches' accuracies is not the accuracy"),
+    (copies_what_the_check_computed, "trains differently"),
     (42, "pass your function itself"),
 ])
 def test_q3_rejects_plausible_wrong_answers(wrong, says):
     lesson06.q3.check(wrong)
     assert lesson06.q3.last.status == "wrong"
     assert says in lesson06.q3.last.message
+
+
+class ScriptedDuel:
+    """Stands in for gpulab.timed_check.Duel in q3's check: epochs that train right, the answer's seconds scripted."""
+
+    def __init__(self, answer_seconds):
+        self.answer_seconds, self.timed = list(answer_seconds), 0
+
+    def __call__(self, task, source, name, **options):
+        assert task == "gpulab.questions.lesson06:TASK" and name == "fast_epoch"
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def probe(self, side, name):
+        return {"waits": 1, "reads": ["item"], "operations": [400, 400]}
+
+    def pairs(self, seeds):
+        report = {"result": [2.3, 0.1], "state": pack_state(torch.nn.Linear(2, 2))}
+        pairs = []
+        for _ in seeds:
+            seconds = self.answer_seconds[self.timed - 1] if self.timed else 1.0  # the first pair warms up
+            pairs.append((Trial("baseline", 0, 1.0, [], report), Trial("answer", 0, seconds, [], report)))
+            self.timed += 1
+        return pairs
+
+
+def fast_epoch(model, optimizer, images, labels, batch_size):
+    return 0.0, 0.0
+
+
+@pytest.mark.parametrize("answer_seconds, status, pairs", [
+    ([0.25] * 7, "correct", 7),  # 4x
+    ([0.8] * 7, "wrong", 7),  # 1.25x: clearly below 2x
+    ([0.4, 0.6, 0.45, 0.55, 0.48, 0.52, 0.62] + [0.45] * 7, "correct", 14),  # 1.6-2.5x: measured again, then 2.2x
+])
+def test_q3_judges_the_median_speed_up_and_measures_again_when_too_close(monkeypatch, answer_seconds, status, pairs):
+    duel = ScriptedDuel(answer_seconds)
+    monkeypatch.setattr(lesson06, "Duel", duel)
+    monkeypatch.setattr(lesson06, "loaded_machine", lambda: None)
+    lesson06.q3.check(fast_epoch)
+    assert lesson06.q3.last.status == status, lesson06.q3.last.message
+    assert f"median of {pairs} interleaved pairs" in lesson06.q3.last.message and duel.timed == pairs + 1
+
+
+def test_q3_says_when_the_machine_was_loaded(monkeypatch):
+    monkeypatch.setattr(lesson06, "Duel", ScriptedDuel([0.8] * 7))
+    monkeypatch.setattr(lesson06, "loaded_machine", lambda: "the CPU was oversubscribed (load average 4.0 on 2 cores)")
+    lesson06.q3.check(fast_epoch)
+    assert lesson06.q3.last.status == "wrong" and "oversubscribed" in lesson06.q3.last.message
 
 
 @pytest.mark.parametrize("wrong, says", [

@@ -149,3 +149,9 @@ def test_a_side_ends_when_its_parent_dies(tmp_path):
     parent.kill()
     parent.wait()
     side.wait(timeout=10)
+
+
+def test_a_clock_patched_in_the_notebook_after_import_does_not_reach_the_check(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
+    with duel("def answer(seed):\n    import time\n    time.sleep(0.3)\n    return seed\n", sides=("answer",)) as d:
+        assert d.trial("answer", 1).seconds >= 0.3
