@@ -4,6 +4,7 @@ import math
 import sys
 import time
 import types
+from time import perf_counter
 
 import matplotlib
 
@@ -15,13 +16,14 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import gpulab  # noqa: E402
 from gpulab import plots  # noqa: E402
-from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, ____  # noqa: E402
+from gpulab.check import CORRECT, NOT_ATTEMPTED, WRONG, Wrong, ____  # noqa: E402
 from gpulab.data import SyntheticImages, image_tensors  # noqa: E402
 from gpulab.monitor import COLUMNS, Monitor  # noqa: E402
-from gpulab.questions.lesson02 import PER_LANE_GBS, q1, q2, q3, q4, slow_loop  # noqa: E402
+from gpulab.questions.lesson02 import _SCENARIOS, PER_LANE_GBS, _judge_measure, q1, q2, q3, q4, slow_loop  # noqa: E402
 from gpulab.transfers import GiB, KiB, MiB, Timeline, human_bytes, sizes, summary, sweep  # noqa: E402
 
 from .conftest import shown_solution  # noqa: E402
+from .test_lesson00 import stack_walker  # noqa: E402
 
 # ---------------------------------------------------------------- monitor
 
@@ -232,23 +234,48 @@ def status(question, *answers) -> str:
     return question.last.status
 
 
+# ---- q1: bandwidth and the link
+
+
+def right_bandwidth(nbytes, seconds):
+    return nbytes / seconds / 1e9
+
+
+def right_link(generation, lanes):
+    return PER_LANE_GBS[generation] * lanes
+
+
 def test_q1_bandwidth_and_link():
-    def right_bandwidth(nbytes, seconds):
-        return nbytes / seconds / 1e9
-
-    def right_link(generation, lanes):
-        return PER_LANE_GBS[generation] * lanes
-
     assert status(q1, right_bandwidth, right_link) == CORRECT
-    assert status(q1, lambda n, s: n / s / 2**30, right_link) == WRONG and "GiB" in q1.last.message
-    assert status(q1, lambda n, s: n / s, right_link) == WRONG and "bytes/s" in q1.last.message
-    assert status(q1, right_bandwidth, lambda g, lanes: PER_LANE_GBS[g]) == WRONG
-    assert status(q1, lambda n, s: n / (s * 1e3) / 1e9, right_link) == WRONG and "seconds" in q1.last.message
     assert status(q1, lambda n, s: n / 1e9 / s, lambda g, lanes: lanes * PER_LANE_GBS[g]) == CORRECT  # other order
+    assert status(q1, right_bandwidth, lambda g, lanes: 0.985 * 2 ** (g - 3) * lanes) == CORRECT  # doubling per gen.
     assert status(q1, ____, right_link) == NOT_ATTEMPTED
 
 
+@pytest.mark.parametrize("bandwidth, link, says", [
+    (lambda n, s: n / s / 2**30, right_link, "GiB"),
+    (lambda n, s: n / s, right_link, "bytes/s"),
+    (lambda n, s: 8 * n / s / 1e9, right_link, "gigabits"),
+    (lambda n, s: n / (s * 1e3) / 1e9, right_link, "seconds, not ms"),
+    (right_bandwidth, lambda g, lanes: PER_LANE_GBS[g], "times the number of lanes"),
+    (right_bandwidth, lambda g, lanes: PER_LANE_GBS[g] * 16, "not 16"),
+    (right_bandwidth, lambda g, lanes: 2 * PER_LANE_GBS[g] * lanes, "both directions"),
+    (right_bandwidth, lambda g, lanes: "fast", "return a number"),
+])
+def test_q1_rejects(bandwidth, link, says):
+    assert status(q1, bandwidth, link) == WRONG
+    assert says in q1.last.message
+
+
+def test_q1_a_stack_walking_answer_finds_no_expected_bandwidth():
+    walker = stack_walker(lambda found, n, s: found[0], lambda n, s: n / s, lambda v: isinstance(v, float))
+    assert status(q1, walker, right_link) == WRONG and walker.calls and walker.found == []
+
+
+# ---- q2: a loop that waits for the GPU
+
 fast_loop = shown_solution(q2, "fast_loop", torch=torch)
+mse = torch.nn.functional.mse_loss
 
 
 def fast_loop_copy_into_empty_like(batches, model, device):
@@ -257,26 +284,60 @@ def fast_loop_copy_into_empty_like(batches, model, device):
     for x, y in batches:
         x = torch.empty_like(x, device=device).copy_(x, non_blocking=True)
         y = torch.empty_like(y, device=device).copy_(y, non_blocking=True)
-        losses.append(torch.nn.functional.mse_loss(model(x), y))
+        losses.append(mse(model(x), y))
     return torch.stack(losses).mean().item()
+
+
+def fast_loop_python_total(batches, model, device):
+    """Unusual but right: a Python 0 that becomes a tensor on the device, and one wait at the very end."""
+    total = 0
+    for x, y in batches:
+        total = total + mse(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return float(total) / len(batches)
 
 
 def still_reads_every_step(batches, model, device):
     total = 0.0
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        total += torch.nn.functional.mse_loss(model(x), y).item()
+        total += mse(model(x), y).item()
     return total / len(batches)
 
 
-def synchronizes_every_step(batches, model, device):
+def synchronizes_every_step(batches, model, device, guard=lambda device: device.type != "cpu", sync=None):
     """Plausible but wrong: a synchronize per step "to be safe" is a wait per step."""
     total = torch.zeros((), device=device)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        total += torch.nn.functional.mse_loss(model(x), y)
-        if device.type != "cpu":
-            torch.cuda.synchronize()
+        total += mse(model(x), y)
+        if guard(device):
+            (sync or torch.cuda.synchronize)()
+    return total.item() / len(batches)
+
+
+def synchronizes_if_cuda(batches, model, device):
+    """Wrong only on a GPU: the wait hides behind `device.type == "cuda"`."""
+    return synchronizes_every_step(batches, model, device, guard=lambda device: device.type == "cuda")
+
+
+def synchronizes_if_available(batches, model, device):
+    """Wrong only on a GPU: the wait hides behind `torch.cuda.is_available()`."""
+    return synchronizes_every_step(batches, model, device, guard=lambda device: torch.cuda.is_available())
+
+
+def gpulab_sync_every_step(batches, model, device):
+    return synchronizes_every_step(batches, model, device, guard=lambda device: True,
+                                   sync=lambda: gpulab.sync(device))
+
+
+def prints_every_step(batches, model, device):
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        loss = mse(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+        print("loss", loss)
+        total += loss
     return total.item() / len(batches)
 
 
@@ -285,17 +346,30 @@ def sums_into_a_host_tensor(batches, model, device):
     total = torch.zeros(())
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        total += torch.nn.functional.mse_loss(model(x), y).to("cpu", non_blocking=True)
+        total += mse(model(x), y).to("cpu", non_blocking=True)
     return total.item() / len(batches)
 
 
+def reads_the_total_without_waiting(batches, model, device):
+    """Plausible but wrong: the one read at the end goes through a non-blocking copy nothing waits for."""
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        total += mse(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+    return total.to("cpu", non_blocking=True).item() / len(batches)
+
+
 def blocking_copies(batches, model, device):
-    losses = [torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)) for x, y in batches]
+    losses = [mse(model(x.to(device)), y.to(device)) for x, y in batches]
+    return torch.stack(losses).mean().item()
+
+
+def hard_coded_cuda(batches, model, device):
+    losses = [mse(model(x.cuda(non_blocking=True)), y.cuda(non_blocking=True)) for x, y in batches]
     return torch.stack(losses).mean().item()
 
 
 def never_copies(batches, model, device):
-    losses = [torch.nn.functional.mse_loss(model.cpu()(x), y) for x, y in batches]
+    losses = [mse(model.cpu()(x), y) for x, y in batches]
     return torch.stack(losses).mean().item()
 
 
@@ -305,17 +379,86 @@ def test_q2_loop_that_waits():
 
     assert status(q2, fast_loop) == CORRECT
     assert status(q2, fast_loop_copy_into_empty_like) == CORRECT
-    assert status(q2, slow_loop) == WRONG and "5 times while batches were still to come" in q2.last.message
-    assert status(q2, still_reads_every_step) == WRONG
-    assert status(q2, synchronizes_every_step) == WRONG and "synchronize" in q2.last.message
-    assert status(q2, sums_into_a_host_tensor) == WRONG and "host" in q2.last.message
-    assert status(q2, blocking_copies) == WRONG and "non_blocking=True" in q2.last.message
-    assert status(q2, never_copies) == WRONG
-    assert status(q2, lambda b, m, d: 0.0) == WRONG  # not the same loss
+    assert status(q2, fast_loop_python_total) == CORRECT
     assert status(q2, blank) == NOT_ATTEMPTED
 
 
+@pytest.mark.parametrize("wrong, says", [
+    (slow_loop, "5 times while batches were still to come"),
+    (still_reads_every_step, "a Python number"),
+    (synchronizes_every_step, "torch.cuda.synchronize()"),
+    (synchronizes_if_cuda, "torch.cuda.synchronize()"),
+    (synchronizes_if_available, "torch.cuda.synchronize()"),
+    (gpulab_sync_every_step, "torch.cuda.synchronize()"),
+    (prints_every_step, "5 times while batches were still to come"),
+    (sums_into_a_host_tensor, "host"),
+    (reads_the_total_without_waiting, "nothing waited for"),
+    (blocking_copies, "non_blocking=True"),
+    (hard_coded_cuda, "use the `device` you are given"),
+    (never_copies, "waited for the GPU 2 times"),  # the model moved back to the host: its weights come back
+    (lambda b, m, d: 0.0, "must still compute the same thing"),
+    (lambda b, m, d: torch.zeros(()), "return the mean loss as a Python float"),
+])
+def test_q2_rejects(wrong, says):
+    assert status(q2, wrong) == WRONG
+    assert says in q2.last.message and "meta" not in q2.last.message
+
+
+def fast_loop_through_a_mask(batches, model, device):
+    """Right, but the boolean mask (after the loop) has no stand-in without a GPU: judged on the CPU only, and said so."""
+    losses = [mse(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)) for x, y in batches]
+    losses = torch.stack(losses)
+    return losses[losses == losses].mean().item()
+
+
+def test_q2_says_what_it_could_not_judge():
+    assert status(q2, fast_loop_through_a_mask) == CORRECT
+    assert ("could not be judged" in q2.last.message) == (not torch.cuda.is_available())
+
+
+def test_q2_a_stack_walking_answer_finds_no_expected_loss():
+    def copies_and_returns(found, batches, model, device):
+        for x, y in batches:
+            x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return found[0] if found else 0.0
+
+    walker = stack_walker(copies_and_returns, lambda *args: copies_and_returns([], *args),
+                          lambda value: isinstance(value, float))
+    assert status(q2, walker) == WRONG and walker.calls and walker.found == []
+
+
+# ---- q3: measuring a loader
+
 measure = shown_solution(q3, "measure", time=time, gpulab=gpulab)
+
+
+def measure_variant(clock="after the skipped batches", skip_offset=0, wait_before=True, wait_after=True,
+                    count_skipped=False, first_batch="next"):
+    """The shown solution with one thing changed, as a learner might get it wrong."""
+    def measure(loader, train_step, device, skip):
+        began = time.perf_counter()
+        batches = iter(loader)
+        startup_s = time.perf_counter() - began if first_batch == "iter" else None
+        x, y = next(batches)
+        startup_s = startup_s if startup_s is not None else time.perf_counter() - began
+        start = began if clock == "before the first batch" else None
+        train_step(x, y)
+        start = time.perf_counter() if clock == "before the skipped batches" else start
+        seen = 0
+        for _ in range(skip + skip_offset):
+            x, y = next(batches)
+            train_step(x, y)
+            seen += len(y) if count_skipped else 0
+        if wait_before:
+            gpulab.sync(device)
+        start = time.perf_counter() if start is None else start
+        for x, y in batches:
+            train_step(x, y)
+            seen += len(y)
+        if wait_after:
+            gpulab.sync(device)
+        return startup_s, seen / (time.perf_counter() - start)
+    return measure
 
 
 def measure_including_startup(loader, train_step, device, skip):
@@ -329,47 +472,12 @@ def measure_including_startup(loader, train_step, device, skip):
     return total, seen / total
 
 
-def measure_without_skipping(loader, train_step, device, skip):
-    """Plausible but wrong: starts the clock at the first batch, while prepared batches are still waiting."""
-    start = time.perf_counter()
-    batches = iter(loader)
-    x, y = next(batches)
-    startup_s = time.perf_counter() - start
-    train_step(x, y)
-    seen, start = 0, time.perf_counter()
-    for x, y in batches:
-        train_step(x, y)
-        seen += len(y)
-    gpulab.sync(device)
-    return startup_s, seen / (time.perf_counter() - start)
-
-
-def measure_without_waiting(loader, train_step, device, skip):
-    """Plausible but wrong: the clock stops while the GPU still works through queued steps."""
-    start = time.perf_counter()
-    batches = iter(loader)
-    x, y = next(batches)
-    startup_s = time.perf_counter() - start
-    for _ in range(skip):
-        train_step(*next(batches))
-    seen, start = 0, time.perf_counter()
-    for x, y in batches:
-        train_step(x, y)
-        seen += len(y)
-    return startup_s, seen / (time.perf_counter() - start)
-
-
-def measure_batches_per_second(loader, train_step, device, skip):
-    startup_s, samples_per_s = measure(loader, train_step, device, skip)
-    return startup_s, samples_per_s / loader.batch_size
-
-
 def measure_with_events(loader, train_step, device, skip):
     """Unusual but right: CUDA events around the steady part, batch count from the loader's length."""
-    start = time.perf_counter()
+    start = perf_counter()
     batches = iter(loader)
     first = next(batches)
-    startup_s = time.perf_counter() - start
+    startup_s = perf_counter() - start
     for x, y in [first] + [next(batches) for _ in range(skip)]:
         train_step(x, y)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -384,28 +492,99 @@ def measure_with_events(loader, train_step, device, skip):
     return startup_s, timed * loader.batch_size / (begin.elapsed_time(end) / 1e3)
 
 
+def with_result(measure, change):
+    """``measure``, with its (startup_s, samples_per_s) passed through ``change``."""
+    return lambda loader, train_step, device, skip: change(*measure(loader, train_step, device, skip),
+                                                           loader.batch_size)
+
+
 def test_q3_measure_a_loader_in_steady_state():
     def blank(loader, train_step, device, skip):
         raise NotImplementedError
 
     assert status(q3, measure) == CORRECT
     assert status(q3, measure_with_events) == CORRECT
-    assert status(q3, measure_including_startup) == WRONG
-    assert status(q3, measure_without_skipping) == WRONG and "skip them" in q3.last.message
-    assert status(q3, measure_without_waiting) == WRONG and "wait for it" in q3.last.message
-    assert status(q3, measure_batches_per_second) == WRONG and "batches, not samples" in q3.last.message
+    assert status(q3, measure_variant(skip_offset=1)) == CORRECT  # one batch more skipped changes nothing
     assert status(q3, blank) == NOT_ATTEMPTED
     assert status(q3, ____) == NOT_ATTEMPTED
 
 
+@pytest.mark.parametrize("wrong, says", [
+    (measure_including_startup, "on its own"),
+    (measure_variant(skip_offset=-12), "skip them before starting the clock"),  # no skipping at all
+    (measure_variant(skip_offset=-1), "skip them before starting the clock"),  # one prepared batch timed
+    (measure_variant(count_skipped=True), "skip them before starting the clock"),
+    (measure_variant(wait_after=False), "wait for it"),
+    (measure_variant(wait_before=False), "a wait for the GPU"),
+    (measure_variant(clock="before the skipped batches"), "start the clock after the first batch, the skipped ones"),
+    (measure_variant(clock="before the first batch"), "start the clock after the first batch, the skipped ones"),
+    (measure_variant(first_batch="iter"), "not from `iter(loader)`"),
+    (with_result(measure, lambda startup, rate, batch: (startup, rate / batch)), "batches, not samples"),
+    (with_result(measure, lambda startup, rate, batch: (startup, rate * 3 * 8 * 8)), "elements, not samples"),
+    (with_result(measure, lambda startup, rate, batch: (startup * 1e3, rate)), "milliseconds"),
+    (with_result(measure, lambda startup, rate, batch: (rate, startup)), "in that order"),
+    (lambda loader, train_step, device, skip: 2.0, "return two numbers"),
+])
+def test_q3_rejects(wrong, says):
+    assert status(q3, wrong) == WRONG
+    assert says in q3.last.message
+
+
+@pytest.mark.parametrize("startup, rate, right", [
+    (0.3, 1600, True), (0.3, 1.04 * 1600, True), (0.3, 0.96 * 1600, True), (0.31, 1600, True),
+    (0.3, 1.06 * 1600, False), (0.3, 0.94 * 1600, False), (0.33, 1600, False), (0.0, 1600, False),
+])
+def test_q3_decides_on_injected_timings(startup, rate, right):
+    """The verdict on a (startup, rate), both ways: within 5 % of the loader-bound scenario's 0.3 s and 1600/s."""
+    judged = lambda: _judge_measure("loader-bound", _SCENARIOS["loader-bound"], startup, rate)
+    if right:
+        assert "1600 samples/s" in judged() or "samples/s" in judged()
+    else:
+        with pytest.raises(Wrong):
+            judged()
+
+
+def test_q3_runs_on_a_virtual_clock(monkeypatch):
+    """Two paced loaders with 0.3 s of start-up each, and a simulated GPU: nothing really sleeps in this thread."""
+    slept = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda seconds: (slept.append(seconds), real_sleep(seconds))[1])
+    assert status(q3, measure) == CORRECT
+    assert slept == []
+
+
+def test_q3_a_stack_walking_answer_finds_no_expected_rate():
+    walker = stack_walker(lambda found, loader, *args: (0.3, found[0]), lambda loader, *args: (0.3, 1.0),
+                          lambda value: isinstance(value, (int, float)))
+    assert status(q3, walker) == WRONG and walker.calls and walker.found == []
+
+
+# ---- q4: loader settings
+
+RIGHT_LOADER = dict(num_workers=6, pin_memory=True, persistent_workers=True, prefetch_factor=2)
+
+
 def test_q4_loader_settings():
-    right = dict(num_workers=6, pin_memory=True, persistent_workers=True, prefetch_factor=2)
-    assert status(q4, right) == CORRECT
+    assert status(q4, RIGHT_LOADER) == CORRECT
     assert status(q4, dict(num_workers=8, pin_memory=True, persistent_workers=True, prefetch_factor=4)) == CORRECT
-    assert status(q4, {**right, "num_workers": 0, "persistent_workers": False, "prefetch_factor": None}) == WRONG
-    assert status(q4, {**right, "num_workers": 2}) == WRONG and "at least 5" in q4.last.message
-    assert status(q4, {**right, "num_workers": 32}) == WRONG and "cores" in q4.last.message
-    assert status(q4, {**right, "pin_memory": False}) == WRONG
-    assert status(q4, {**right, "persistent_workers": False}) == WRONG
-    assert status(q4, {**right, "prefetch_factr": 2}) == WRONG  # a typo: DataLoader refuses it
+    assert status(q4, dict(num_workers=5, pin_memory=True, persistent_workers=True)) == CORRECT  # exactly enough
     assert status(q4, ____) == NOT_ATTEMPTED
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None}, "at least 5"),
+    ({"num_workers": 2}, "at least 5"),
+    ({"num_workers": 4}, "at least 5"),  # 3 × 64 / 40 rounded down
+    ({"num_workers": 32}, "cores"),
+    ({"num_workers": 6.0}, "whole number"),
+    ({"pin_memory": False}, "pin_memory=True"),
+    ({"pin_memory": "yes"}, "pin_memory=True"),
+    ({"persistent_workers": False}, "persistent_workers=True"),
+    ({"prefetch_factor": 1}, "prefetch_factor"),
+    ({"prefetch_factor": 0}, "prefetch_factor"),
+    ({"batch_size": 32}, "keep the batch size"),
+    ({"prefetch_factr": 2}, "fails"),  # a typo: DataLoader refuses it
+])
+def test_q4_rejects(change, says):
+    assert status(q4, {**RIGHT_LOADER, **change}) == WRONG
+    assert says in q4.last.message

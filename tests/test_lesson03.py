@@ -14,6 +14,7 @@ from gpulab.check import ____
 from gpulab.questions import lesson03
 
 from .conftest import shown_solution
+from .test_lesson00 import stack_walker
 
 KB = 1024
 
@@ -445,6 +446,88 @@ def accumulate_with_sums(model, x, y, micro_batch):
         (F.cross_entropy(model(xb), yb, reduction="sum") / len(x)).backward()
 
 
+def knee_fixed_gain(curve, gain=0.1):
+    return right_knee(curve)  # the gain argument ignored
+
+
+def knee_at_most_gain(curve, gain=0.1):
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    return next((sizes[i] for i in range(len(sizes) - 1) if rates[i + 1] <= (1 + gain) * rates[i]), sizes[-1])
+
+
+def knee_position(curve, gain=0.1):
+    return sorted(curve["batch_size"]).index(right_knee(curve, gain))
+
+
+def accumulate_with_chunk(model, x, y, micro_batch):
+    """Plausible but wrong: as many chunks as micro-batches, but chunk() cuts equal pieces, not micro_batch samples."""
+    k = -(-len(x) // micro_batch)
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        (F.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+
+
+def accumulate_summed_losses(model, x, y, micro_batch):
+    """Plausible but wrong: sums the losses and calls backward() once, so every micro-batch's graph is alive."""
+    total = sum(F.cross_entropy(model(xb), yb) * (len(xb) / len(x)) for xb, yb in zip(x.split(micro_batch),
+                                                                                        y.split(micro_batch)))
+    total.backward()
+
+
+def accumulate_summed_reduction(model, x, y, micro_batch):
+    for xb, yb in zip(x.split(micro_batch), y.split(micro_batch)):
+        F.cross_entropy(model(xb), yb, reduction="sum").backward()
+
+
+def accumulate_by_index(model, x, y, micro_batch):
+    """Unusual but right: slices by hand, zero_grad first, a retained graph that is never needed."""
+    model.zero_grad(set_to_none=True)
+    for start in range(0, len(x), micro_batch):
+        xb, yb = x[start:start + micro_batch], y[start:start + micro_batch]
+        (F.cross_entropy(model(xb), yb) * xb.shape[0] / x.shape[0]).backward(retain_graph=True)
+
+
+def search_returns_the_failure(peak_bytes, budget, max_batch):
+    """Plausible but wrong: bisects right, then returns the first batch that failed."""
+    lo, hi = 0, None
+
+    def fits(b):
+        try:
+            return peak_bytes(b) <= budget
+        except torch.OutOfMemoryError:
+            return False
+
+    b = 1
+    while hi is None:
+        if not fits(b):
+            hi = b
+        elif b == max_batch:
+            return b
+        else:
+            lo, b = b, min(2 * b, max_batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return hi
+
+
+def search_none_when_nothing_fits(peak_bytes, budget, max_batch):
+    return right_search(peak_bytes, budget, max_batch) or None
+
+
+def plain_bisection(peak_bytes, budget, max_batch):
+    """Unusual but right: bisect over 1..max_batch at once, without doubling first."""
+    lo, hi = 0, max_batch + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            fits = peak_bytes(mid) <= budget
+        except torch.OutOfMemoryError:
+            fits = False
+        lo, hi = (mid, hi) if fits else (lo, mid)
+    return lo
+
+
 def blank_function(*args, **kwargs):
     raise NotImplementedError
 
@@ -455,9 +538,12 @@ def blank_function(*args, **kwargs):
     (lesson03.q2, (right_accumulation,)),
     (lesson03.q2, (accumulate_with_sums,)),
     (lesson03.q3, (right_search,)),
+    (lesson03.q2, (accumulate_by_index,)),
     (lesson03.q3, (bisect_module_search,)),
+    (lesson03.q3, (plain_bisection,)),
     (lesson03.q4, (0.4,)),
     (lesson03.q4, (torch.tensor(0.05) * 8,)),
+    (lesson03.q4, (0.05 * 512 / 64,)),
 ])
 def test_right_answers_pass(question, right):
     question.check(*right)
@@ -471,11 +557,17 @@ def test_right_answers_pass(question, right):
     (lesson03.q1, (knee_of_the_lesson, curve()), "the lesson's knee"),
     (lesson03.q1, (knee_unsorted, curve()), "sort them by batch size"),
     (lesson03.q1, (knee_one_too_far, curve()), "the batch after the knee"),
+    (lesson03.q1, (knee_fixed_gain, curve()), "Use the `gain` you are given"),
+    (lesson03.q1, (knee_at_most_gain, curve()), "must gain *less* than `gain`"),
+    (lesson03.q1, (knee_position, curve()), "return its batch size"),
     (lesson03.q2, (divide_by_k,), "share of the batch"),
     (lesson03.q2, (unscaled,), "too large"),
     (lesson03.q2, (zero_inside,), "without clearing"),
     (lesson03.q2, (full_batch,), "micro-batches of at most"),
     (lesson03.q2, (stepping,), "weights changed"),
+    (lesson03.q2, (accumulate_with_chunk,), "`x.chunk(k)` cuts k equal pieces"),
+    (lesson03.q2, (accumulate_summed_losses,), "Call backward() inside the loop"),
+    (lesson03.q2, (accumulate_summed_reduction,), "must be divided by len(x)"),
     (lesson03.q3, (naive_search,), "power of two"),
     (lesson03.q3, (linear_search,), "measurements"),
     (lesson03.q3, (unguarded_search,), "called with"),
@@ -483,11 +575,14 @@ def test_right_answers_pass(question, right):
     (lesson03.q3, (except_exception,), "Catch only `torch.OutOfMemoryError`"),
     (lesson03.q3, (except_runtime_error,), "Catch only `torch.OutOfMemoryError`"),
     (lesson03.q3, (keeps_the_errors,), "still alive"),
+    (lesson03.q3, (search_returns_the_failure,), "does not fit (return the last batch that fitted"),
+    (lesson03.q3, (search_none_when_nothing_fits,), "return 0, not None"),
     (lesson03.q4, (0.05,), "effective batch"),
     (lesson03.q4, (0.05 * 64,), "not the micro-batch size"),
     (lesson03.q4, (0.05 * 8**0.5,), "square-root rule"),
     (lesson03.q4, (0.05 / 8,), "not down"),
     (lesson03.q4, (0.3,), "learning rate"),
+    (lesson03.q4, ("0.4",), "should be a number"),
 ])
 def test_plausible_wrong_answers_are_rejected(question, wrong, says):
     question.check(*wrong)
@@ -504,6 +599,29 @@ def test_plausible_wrong_answers_are_rejected(question, wrong, says):
 def test_blank_answers_are_not_attempted(question, blank):
     question.check(*blank)
     assert question.last.status == "not attempted"
+
+
+def test_stack_walking_answers_find_no_expected_value():
+    def knee_walker(found, curve, gain=0.1):
+        return found[0]
+
+    def accumulation_walker(found, model, x, y, micro_batch):
+        unscaled(model, x, y, micro_batch)  # the micro-batches right, the gradients not
+        for p, g in zip(model.parameters(), found[0]):
+            p.grad = g.clone()
+
+    def search_walker(found, peak_bytes, budget, max_batch):
+        return found[0]
+
+    walkers = [  # (question, the walker, its arguments besides itself)
+        (lesson03.q1, stack_walker(knee_walker, lambda curve, gain=0.1: -1, lambda v: isinstance(v, int)), (curve(),)),
+        (lesson03.q2, stack_walker(accumulation_walker, unscaled, lambda v: isinstance(v, list) and v and
+                                   all(isinstance(g, torch.Tensor) for g in v)), ()),
+        (lesson03.q3, stack_walker(search_walker, lambda *args: -1, lambda v: isinstance(v, int)), ()),
+    ]
+    for question, walker, args in walkers:
+        question.check(walker, *args)
+        assert question.last.status == "wrong" and walker.calls and walker.found == [], question.name
 
 
 def test_the_check_uses_the_learners_own_curve():

@@ -14,6 +14,7 @@ from gpulab.memory import MemoryTracker  # noqa: E402
 from gpulab.questions.lesson04 import q1, q2, q3, q4  # noqa: E402
 
 from .conftest import shown_solution  # noqa: E402
+from .test_lesson00 import stack_walker  # noqa: E402
 
 
 def status(question, *answers) -> str:
@@ -271,22 +272,35 @@ def test_roofline_draws_points_roofs_and_memory_slope():
 # ---- exercise checks --------------------------------------------------------------------------------------------
 
 
+M, N, K, SECONDS = 384, 256, 1024, 0.004
+
+
 def test_q1_tflops():
-    M, N, K, seconds = 384, 256, 1024, 0.004
-    assert status(q1, 2 * M * N * K / seconds / 1e12, M, N, K, seconds) == CORRECT
-    assert status(q1, torch.tensor(2.0 * M * N * K) / seconds / 1e12, M, N, K, seconds) == CORRECT  # a 0-d tensor
-    assert status(q1, M * N * K / seconds / 1e12, M, N, K, seconds) == WRONG
-    assert "2 FLOPs" in q1.last.message
-    assert status(q1, 2 * M * N * K / seconds / 1e9, M, N, K, seconds) == WRONG
-    assert "GFLOP/s" in q1.last.message
-    assert status(q1, 2 * M**3 / seconds / 1e12, M, N, K, seconds) == WRONG
-    assert "not square" in q1.last.message
-    assert status(q1, ____, M, N, K, seconds) == NOT_ATTEMPTED
+    assert status(q1, 2 * M * N * K / SECONDS / 1e12, M, N, K, SECONDS) == CORRECT
+    assert status(q1, torch.tensor(2.0 * M * N * K) / SECONDS / 1e12, M, N, K, SECONDS) == CORRECT  # a 0-d tensor
+    assert status(q1, 2 * M * K * N * 1e-12 / SECONDS, M, N, K, SECONDS) == CORRECT  # in another order
+    assert status(q1, ____, M, N, K, SECONDS) == NOT_ATTEMPTED
+
+
+@pytest.mark.parametrize("tflops, says", [
+    (M * N * K / SECONDS / 1e12, "2 FLOPs"),
+    (2 * M * N * K / SECONDS / 1e9, "GFLOP/s"),
+    (2 * M * N * K / SECONDS, "that is FLOP/s"),
+    (2 * M * N * K / (SECONDS * 1e3) / 1e12, "`seconds` is in seconds"),
+    (2 * M * N * K / SECONDS / 2**40, "not 2⁴⁰"),
+    (2 * M**3 / SECONDS / 1e12, "not square"),
+    (2 * M * K * K / SECONDS / 1e12, "not square"),
+    (2 * N**3 / SECONDS / 1e12, "not square"),
+    (1.0, "expected the throughput"),
+])
+def test_q1_rejects(tflops, says):
+    assert status(q1, tflops, M, N, K, SECONDS) == WRONG
+    assert says in q1.last.message
 
 
 # ---- q2: a training step, observed ----------------------------------------------------------------------------
 
-train_step = shown_solution(q2, "train_step", torch=torch)
+train_step = shown_solution(q2, "train_step", torch=torch, F=F)
 
 
 def step_without_scaler_step(model, optimizer, scaler, x, y, device_type, dtype):
@@ -368,6 +382,29 @@ def unusual_but_right_step(model, optimizer, scaler, x, y, device_type, dtype):
     return loss.detach().clone()
 
 
+def step_zero_grad_after_backward(model, optimizer, scaler, x, y, device_type, dtype):
+    """Plausible but wrong: the gradients are cleared between backward() and the step."""
+    with torch.autocast(device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    optimizer.zero_grad()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+
+
+def step_backward_inside_autocast(model, optimizer, scaler, x, y, device_type, dtype):
+    """Unusual but right: backward inside the autocast block (autocast leaves backward alone), no detach."""
+    optimizer.zero_grad(set_to_none=False)
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
 def unfinished_step(model, optimizer, scaler, x, y, device_type, dtype):
     raise NotImplementedError
 
@@ -382,6 +419,8 @@ def unfinished_step(model, optimizer, scaler, x, y, device_type, dtype):
     (step_with(lambda d, t: dict(device_type="cpu", dtype=t)), "you ignored `device_type`"),
     (step_with(lambda d, t: dict(device_type=d, dtype=t), finish=lambda loss: loss.item()), "item"),
     (step_with(lambda d, t: dict(device_type=d, dtype=t), finish=print_loss), "__format__"),
+    (step_with(lambda d, t: dict(device_type=d)), "use the `dtype` you are given"),  # autocast's default dtype
+    (step_zero_grad_after_backward, "ran after the backward pass"),
 ])
 def test_q2_rejects_plausible_wrong_steps(wrong, says):
     assert status(q2, wrong) == WRONG
@@ -391,6 +430,7 @@ def test_q2_rejects_plausible_wrong_steps(wrong, says):
 def test_q2_train_step():
     assert status(q2, train_step) == CORRECT
     assert status(q2, unusual_but_right_step) == CORRECT
+    assert status(q2, step_backward_inside_autocast) == CORRECT
     assert status(q2, unfinished_step) == NOT_ATTEMPTED
 
 
@@ -434,6 +474,23 @@ def share_below_smallest_subnormal(grads, scale):
     return (((grads * scale).abs() < 2.0**-24) & nonzero).float().sum().item() / nonzero.sum().item()
 
 
+def share_without_scale(grads, scale):
+    return underflow_share(grads, 1.0)
+
+
+def share_of_all_gradients(grads, scale):
+    return (((grads * scale).half() == 0) & (grads != 0)).float().mean().item()
+
+
+def share_in_bf16(grads, scale):
+    nonzero = grads != 0
+    return (((grads * scale).bfloat16() == 0) & nonzero).sum().item() / nonzero.sum().item()
+
+
+def share_in_percent(grads, scale):
+    return 100 * underflow_share(grads, scale)
+
+
 def test_q3_underflow_share():
     assert status(q3, underflow_share) == CORRECT
     assert status(q3, underflow_share_unusual) == CORRECT
@@ -443,16 +500,21 @@ def test_q3_underflow_share():
     assert "subnormal" in q3.last.message
     assert status(q3, share_below_smallest_subnormal) == WRONG  # fp16 rounds, it does not truncate
     assert "rounds to the nearest" in q3.last.message
+    for wrong, says in ((share_without_scale, "by `scale` before the cast"),
+                        (share_of_all_gradients, "not by all of them"),
+                        (share_in_bf16, "bf16 keeps fp32's range"),
+                        (share_in_percent, "not a percentage")):
+        assert status(q3, wrong) == WRONG and says in q3.last.message, wrong.__name__
     assert status(q3, ____) == NOT_ATTEMPTED
 
 
 # ---- q4: AMP with gradient accumulation and clipping ----------------------------------------------------------
 
-accumulation_step = shown_solution(q4, "accumulation_step", torch=torch)
+accumulation_step = shown_solution(q4, "accumulation_step", torch=torch, F=F)
 
 
 def accumulation(*, clip="after unscale", divide=True, zero="before", step_inside=False, update_inside=False,
-                 read_loss=False, one_backward=False, autocast_dtype=None, unscale_inside=False):
+                 read_loss=False, one_backward=False, autocast_dtype=None, unscale_inside=False, returned="mean"):
     """The recipe with one thing changed, as a learner might get it wrong."""
     def step(model, optimizer, scaler, micro_batches, max_norm, device_type, dtype):
         k = len(micro_batches)
@@ -494,7 +556,10 @@ def accumulation(*, clip="after unscale", divide=True, zero="before", step_insid
             scaler.step(optimizer)
         if not update_inside and not step_inside:
             scaler.update()
-        return torch.tensor(losses).mean() if read_loss else torch.stack(losses).mean()
+        if read_loss:
+            return torch.tensor(losses).mean()
+        return {"mean": lambda: torch.stack(losses).mean(), "of divided": lambda: torch.stack(losses).mean() / k,
+                "last": lambda: losses[-1]}[returned]()
     return step
 
 
@@ -528,6 +593,8 @@ def accumulation_unusual(model, optimizer, scaler, micro_batches, max_norm, devi
     (accumulation(read_loss=True), "item"),
     (accumulation(one_backward=True), "keeps every micro-batch's activations alive"),
     (accumulation(autocast_dtype=torch.float16), "use the `dtype` you are given"),
+    (accumulation(returned="of divided"), "the mean of `loss / k`"),
+    (accumulation(returned="last"), "the last micro-batch's loss"),
 ])
 def test_q4_rejects_plausible_wrong_accumulation(wrong, says):
     assert status(q4, wrong) == WRONG
@@ -539,6 +606,27 @@ def test_q4_accumulation_step():
     assert status(q4, accumulation()) == CORRECT  # the test's own recipe, unchanged
     assert status(q4, accumulation_unusual) == CORRECT
     assert status(q4, unfinished_step) == NOT_ATTEMPTED
+
+
+def test_stack_walking_answers_find_no_expected_value():
+    def tensors(value):
+        return isinstance(value, torch.Tensor) or isinstance(value, list) and value and isinstance(value[0], torch.Tensor)
+
+    def loss_found(right):
+        """The recipe, except that the loss it returns is a tensor it found on the stack (7 when it finds none)."""
+        def use(found, *args):
+            right(*args)
+            return next(f for f in found if isinstance(f, torch.Tensor) and f.numel() == 1)
+        return stack_walker(use, lambda *args: right(*args) * 0 + 7, tensors)
+
+    walkers = [  # (question, a walker)
+        (q2, loss_found(train_step)),
+        (q3, stack_walker(lambda found, grads, scale: found[0], lambda grads, scale: 0.5,
+                          lambda v: isinstance(v, float))),
+        (q4, loss_found(accumulation_step)),
+    ]
+    for question, walker in walkers:
+        assert status(question, walker) == WRONG and walker.calls and walker.found == [], question.name
 
 
 def test_q4_solution_trains_with_a_real_gradscaler():

@@ -1,15 +1,30 @@
-"""Lesson 00 (setup and diagnostics): devices, matmul throughput, the CPU/GPU crossover, bf16."""
+"""Lesson 00 (setup and diagnostics): devices, matmul throughput, the CPU/GPU crossover, bf16.
+
+It also holds what the checks of lessons 00-02 share: running a learner's code on the GPU, or, on a machine
+without one, on a stand-in for it (``_gpu_run``), so that a mistake which only shows on a GPU shows here too.
+"""
 
 import copy
+import io
 import numbers
+import threading
+import time
+import timeit
+import types
+from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
+from unittest import mock
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
+from .. import device as device_module
 from ..check import Question, Wrong, expect_close
 from ..device import device_info, get_device
-from ..observe import observe
+from ..observe import DATA_DEPENDENT, observe, simulated_gpu
 from ..timing import Measurement
+
+GPU = torch.device("cuda")
 
 
 def _positive(value, what: str) -> float:
@@ -21,52 +36,259 @@ def _positive(value, what: str) -> float:
     return float(value)
 
 
+def _ratio_is(got, expected: float, ratio: float, rel: float = 0.02) -> bool:
+    """Whether the number ``got`` is ``ratio`` times ``expected`` (within ``rel``)."""
+    if isinstance(got, bool) or not isinstance(got, numbers.Real) or not expected:
+        return False
+    return abs(got / expected - ratio) <= rel * ratio
+
+
+# ---------------------------------------------------------------- a GPU, or a stand-in for one
+
+
+def simulated() -> bool:
+    """Whether ``_gpu_run`` plays the GPU (this machine has none)."""
+    return not torch.cuda.is_available()
+
+
+def on_gpu_side(device_type: str) -> bool:
+    """Whether a device type seen while ``_gpu_run`` ran is the GPU's (the stand-in keeps its tensors on "meta")."""
+    return device_type in ("cuda", "meta")
+
+
+def _to_meta(value):
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("meta")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "meta"
+    return value
+
+
+def _read_on_host(data):
+    """``data`` (a tensor, or lists of them) with every meta tensor copied to the host, as a read of it would."""
+    if isinstance(data, torch.Tensor) and data.is_meta:
+        return data.to("cpu")
+    if isinstance(data, (list, tuple)):
+        return type(data)(_read_on_host(d) for d in data)
+    return data
+
+
+class _CudaOnMeta(TorchFunctionMode):
+    """Tensors sent to "cuda" live on "meta" (shapes and dtypes, no data). Printing one, or building a tensor from
+    them, reads them through a copy to the host, as on a GPU; ``observe(fake_meta_reads=True)`` records it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is torch.device:  # a device the code names stays what it says
+            return func(*args, **kwargs)
+        if name == "cuda":
+            non_blocking = bool(kwargs.get("non_blocking")) or any(a is True for a in args[2:])
+            return args[0].to("meta", non_blocking=non_blocking)
+        if name == "pin_memory":
+            return args[0]
+        if name in ("__repr__", "__str__") or name in ("tensor", "as_tensor") and args:
+            args = (_read_on_host(args[0]), *args[1:])
+        return func(*map(_to_meta, args), **{k: _to_meta(v) for k, v in kwargs.items()})
+
+
+# Errors a GPU raises too (naming "cuda" where the stand-in says "meta").
+_GPU_ERRORS = ("to numpy", "same device", "two devices", "expected device")
+
+
+class NotJudged(Exception):
+    """The stand-in for a GPU failed where a GPU would not: what the code does there cannot be judged here."""
+
+
+@contextmanager
+def _gpu_run():
+    """Run the block on the GPU (hand the code ``GPU``), and yield what ``observe()`` saw.
+
+    Without a GPU, a stand-in: ``torch.cuda`` says there is one (with the simulated queue of ``simulated_gpu``),
+    tensors sent to it live on "meta", and reads from it give zeros. The code's prints are dropped there (they would
+    show those zeros). Where the stand-in fails and a GPU would not (an operation whose output shape depends on the
+    values, say), it raises NotJudged.
+    """
+    if not simulated():
+        with observe() as seen:
+            yield seen
+        return
+    try:
+        with simulated_gpu(), _CudaOnMeta(), observe(fake_meta_reads=True) as seen, redirect_stdout(io.StringIO()):
+            yield seen
+    except Exception as err:
+        text = str(err)
+        if isinstance(err, NotImplementedError) or "meta" in text.lower() and not any(w in text for w in _GPU_ERRORS):
+            raise NotJudged(text) from err
+        raise
+
+
+def _shape_reads(host_reads: list) -> list:
+    """The reads among ``Observed.host_reads`` that learn an output's shape from the values: each waits for the GPU."""
+    return [name for name in host_reads if name in DATA_DEPENDENT or name == "index"]
+
+
+def _as_on_gpu(err: Exception) -> str:
+    """The message of an error raised under ``_gpu_run``, as a GPU words it."""
+    return str(err).replace("meta", "cuda")
+
+
+class _VirtualClock:
+    """Seconds that pass only when the code sleeps (or waits for the simulated GPU): exact on a loaded machine."""
+
+    def __init__(self):
+        self.now, self.thread = 1000.0, threading.get_ident()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        self.now += seconds
+
+
+@contextmanager
+def virtual_clock(*functions):
+    """For the block, in this thread, every clock of ``time`` (and ``timeit.default_timer``) reads a virtual clock,
+    and ``time.sleep`` advances it; other threads keep the real ones. ``simulated_gpu`` runs on it too, and so do
+    ``functions`` that hold a clock of their own (``from time import perf_counter``) in their module's globals."""
+    clock = _VirtualClock()
+
+    def ours(virtual, real):
+        return lambda *args: virtual(*args) if threading.get_ident() == clock.thread else real(*args)
+
+    seconds, nanoseconds = (lambda: clock.now), (lambda: round(clock.now * 1e9))
+    fakes = {"perf_counter": seconds, "monotonic": seconds, "time": seconds, "sleep": clock.sleep,
+             "perf_counter_ns": nanoseconds, "monotonic_ns": nanoseconds, "time_ns": nanoseconds}
+    replaced = {getattr(time, name): ours(virtual, getattr(time, name)) for name, virtual in fakes.items()}
+    with ExitStack() as stack:
+        for name in fakes:
+            stack.enter_context(mock.patch.object(time, name, replaced[getattr(time, name)]))
+        stack.enter_context(mock.patch.object(timeit, "default_timer", time.perf_counter))
+        for namespace in {id(f.__globals__): f.__globals__ for f in functions if hasattr(f, "__globals__")}.values():
+            held = {key: fake for key, value in namespace.items() for real, fake in replaced.items() if value is real}
+            stack.enter_context(_swapped(namespace, held))
+        yield clock
+
+
+@contextmanager
+def _swapped(namespace: dict, values: dict):
+    """``namespace`` with ``values`` in place of its own for the block; only those keys are put back."""
+    before = {key: namespace[key] for key in values}
+    namespace.update(values)
+    try:
+        yield
+    finally:
+        namespace.update(before)
+
+
+def _where(device: torch.device) -> str:
+    return "on a simulated GPU (this machine has none)" if device.type == "cuda" and simulated() else f"on {device}"
+
+
+# ---------------------------------------------------------------- q1: model and batch on the same device
+
+
+def _predict_inputs():
+    """A small model and a batch on the CPU (the same every call)."""
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model, torch.randn(5, 8, generator=generator)
+
+
+def _run_predict(predict, target: torch.device):
+    """``predict`` with a fresh model and batch and ``target``: (its output, the device types its layers ran on)."""
+    model, batch = _predict_inputs()
+    ran = []
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_pre_hook(lambda layer, args: ran.append(layer.weight.device.type))
+    try:
+        with _gpu_run() if target.type == "cuda" else nullcontext():
+            out = predict(model, batch, target)
+    except (NotImplementedError, NotJudged):
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
+        raise Wrong(_predict_failed(err, target)) from None
+    return out, ran
+
+
+def _predict_failed(err: Exception, target: torch.device) -> str:
+    words = _as_on_gpu(err)
+    first = words.split(". ")[0].rstrip(".!")
+    if target.type == "cpu" and any(gpu in words.lower() for gpu in ("cuda", "nvidia")):
+        return (f"with device='cpu' your function asked for a GPU ({type(err).__name__}: {first}): use the `device` "
+                "you are given, not a fixed 'cuda'")
+    said = f"with device={str(target)!r} your function raised {type(err).__name__}: {first}"
+    if "device" in words:
+        return f"{said}. Move the model *and* the batch to `device`, and keep the moved batch (`batch = batch.to(device)`)"
+    return said
+
+
+def _judge_predict(out, ran: list, target: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise Wrong(f"return the model's output (a tensor), got {type(out).__name__}")
+    ran = set(ran)
+    here = on_gpu_side if target.type == "cuda" else (lambda t: t == target.type)
+    out_there = here(out.device.type)
+    if not ran:
+        raise Wrong(f"with device={str(target)!r} your function never ran the model: return `model(batch)`")
+    elsewhere = ", ".join(sorted(t for t in ran if not here(t)))
+    if elsewhere and out_there:
+        raise Wrong(f"with device={str(target)!r} the model computed on {elsewhere}, and only its output was moved: "
+                    "move the model and the batch first, then call the model")
+    if elsewhere:
+        raise Wrong(f"with device={str(target)!r} the model ran on {elsewhere}: move the model and the batch to "
+                    "`device`, the argument you are given")
+    if not out_there:
+        raise Wrong(f"with device={str(target)!r} the output is on {out.device}: run the model on `device` "
+                    "and return its output there (no `.cpu()`)")
+
+
 def _check_predict(predict) -> str:
     if not callable(predict):
         raise Wrong("pass your function itself: `q1.check(predict)`")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    batch = torch.randn(5, 8)
-    with torch.no_grad():
-        expected = model(batch)
-    here = get_device()
-    # "meta" exists on every machine: a model moved there and a CPU batch fail like cuda and cpu do, and the
-    # products the model computes say on which device it really ran.
-    for target in (here, torch.device("meta")):
+    outputs = {}
+    for target in (torch.device("cpu"), GPU):  # the GPU, or a stand-in for it: a mistake shows as it would on one
         try:
-            with observe(fake_meta_reads=True) as seen:
-                out = predict(copy.deepcopy(model), batch.clone(), target)
-        except NotImplementedError:
-            raise
-        except RuntimeError as err:
-            raise Wrong(f"with device={str(target)!r} your function raised: {err}. Move the model *and* the batch "
-                        "to `device`, and keep the moved batch (`batch = batch.to(device)`).") from None
-        if not isinstance(out, torch.Tensor):
-            raise Wrong(f"return the model's output (a tensor), got {type(out).__name__}")
-        elsewhere = sorted(set(seen.product_devices) - {target.type})
-        if elsewhere:
-            raise Wrong(f"with device={str(target)!r} the model computed on {', '.join(elsewhere)}, and only its "
-                        "output was moved: move the model and the batch first, then call the model")
-        if out.device.type != target.type:
-            raise Wrong(f"with device={str(target)!r} the output is on {out.device}: run the model on `device` "
-                        "and return its output there (no `.cpu()`)")
+            out, ran = _run_predict(predict, target)
+        except NotJudged:
+            continue
+        _judge_predict(out, ran, target)
+        outputs[target] = out
+    model, batch = _predict_inputs()
+    with torch.no_grad():  # computed only now: nothing the learner's code could find while it ran
+        expected = model(batch)
+    for target, out in outputs.items():
         if out.shape != expected.shape:
             raise Wrong(f"the output has shape {tuple(out.shape)}, the model's output has {tuple(expected.shape)}")
-        if target.type != "meta" and not torch.allclose(out.detach().cpu(), expected, rtol=1e-2, atol=1e-2):
+        if (target.type == "cpu" or not simulated()) and not torch.allclose(
+                out.detach().cpu().float(), expected, rtol=1e-2, atol=1e-2):
             raise Wrong("the values differ from the model's own output: just move model and batch, then call the model")
-    return f"model and batch meet on the device (checked on {here} and on 'meta', a device every machine has)."
+    if GPU not in outputs:
+        return "model and batch meet on the CPU; how your function behaves on a GPU could not be judged on this machine."
+    return f"model and batch meet on the device (checked on the CPU and {_where(GPU)})."
+
+
+# ---------------------------------------------------------------- q2: matmul throughput
 
 
 def _check_tflops(n, seconds, tflops) -> str:
     n, seconds = _positive(n, "n"), _positive(seconds, "seconds")
     expected = 2 * n**3 / seconds / 1e12
-    if isinstance(tflops, numbers.Real) and not isinstance(tflops, bool) and expected > 0:
-        for ratio, why in ((0.5, "you counted n³ operations: each of the n³ multiply-adds is 2 FLOPs"),
-                           (1e3, "that looks like GFLOP/s: divide by 1e12 for TFLOP/s"),
-                           (1e12, "that is FLOP/s: divide by 1e12 for TFLOP/s")):
-            if abs(tflops / expected - ratio) <= 0.02 * ratio:
-                raise Wrong(f"expected {expected:.4g} TFLOP/s, got {tflops:.4g}: {why}")
+    for ratio, why in ((0.5, "you counted n³ operations: each of the n³ multiply-adds is 2 FLOPs"),
+                       (1 / n, "you counted n² operations: an n×n matmul does n³ multiply-adds"),
+                       (1e3, "that looks like GFLOP/s: divide by 1e12 for TFLOP/s"),
+                       (1e12, "that is FLOP/s: divide by 1e12 for TFLOP/s"),
+                       (1e-3, "`seconds` is in seconds: do not divide it by 1000"),
+                       (1e12 / 2**40, "1 TFLOP/s is 1e12 FLOP/s, not 2⁴⁰")):
+        if _ratio_is(tflops, expected, ratio):
+            raise Wrong(f"expected {expected:.4g} TFLOP/s, got {tflops:.4g}: {why}")
     return expect_close(tflops, expected, rel=0.02, what="the throughput", unit="TFLOP/s") + f" (n = {n:.0f})"
+
+
+# ---------------------------------------------------------------- q3: the crossover
 
 
 def _reference_crossover(sizes, baseline, candidate):
@@ -79,49 +301,124 @@ def _reference_crossover(sizes, baseline, candidate):
     return answer
 
 
-# (sizes, baseline seconds, candidate seconds): a clean crossover, never, always, and noise at small sizes.
+# (sizes, baseline seconds, candidate seconds): a clean crossover, never, always, noise at small sizes, a tie at the
+# largest size, one slow point in the middle, and one size only.
 _CROSSOVER_CASES = [
     ([16, 32, 64, 128, 256], [1, 2, 4, 8, 16], [5, 5, 5, 5, 5]),
     ([16, 32, 64, 128], [1, 2, 3, 4], [9, 9, 9, 9]),
     ([16, 32, 64], [5, 6, 7], [1, 1, 1]),
     ([16, 32, 64, 128, 256], [1, 2, 4, 8, 16], [5, 1, 5, 6, 7]),
     ([16, 32, 64, 128], [4, 4, 4, 4], [5, 4, 3, 4]),
+    ([8, 16, 32, 64, 128, 256], [2, 4, 8, 16, 32, 64], [3, 3, 3, 20, 20, 20]),
+    ([512], [2], [1]),
 ]
+
+
+def _crossover_hint(got, sizes, expected) -> str:
+    if expected is None and got is not None:
+        return ": return None when the candidate is not faster at the largest size"
+    if isinstance(got, int) and not isinstance(got, bool) and got not in sizes and 0 <= got < len(sizes) \
+            and sizes[got] == expected:
+        return ": that is the position in the list, return the size itself"
+    return (": the candidate must be faster at that size *and every larger one*; None when it is not faster at the "
+            "largest size")
 
 
 def _check_crossover(crossover, sizes=None, baseline=None, candidate=None) -> str:
     if not callable(crossover):
         raise Wrong("pass your function itself: `q3.check(crossover, sizes, baseline_s, candidate_s)`")
     for case in _CROSSOVER_CASES:
-        expected, got = _reference_crossover(*case), crossover(*(list(c) for c in case))
+        got = crossover(*copy.deepcopy(case))
+        expected = _reference_crossover(*case)
         if got != expected:
             sizes_, base_, cand_ = case
             raise Wrong(f"for sizes={sizes_}, baseline={base_}, candidate={cand_} the answer is {expected}, your "
-                        f"function returned {got!r}. The candidate must be faster at that size *and every larger one*"
-                        "; None when it is not faster at the largest size")
+                        f"function returned {got!r}{_crossover_hint(got, sizes_, expected)}")
     if sizes is None:
         return "your function finds the crossover."
     measured = [np.asarray(v).tolist() for v in (sizes, baseline, candidate)]
     if len({len(v) for v in measured}) != 1:
         raise Wrong("sizes, baseline and candidate times must have one entry per size")
-    expected, got = _reference_crossover(*measured), crossover(*measured)
+    got = crossover(*copy.deepcopy(measured))
+    expected = _reference_crossover(*measured)
     if got != expected:
         raise Wrong(f"on your measurements the answer is {expected}, your function returned {got!r}")
     found = f"from size {expected:g}" if expected is not None else "at none of the sizes measured"
     return f"your function finds the crossover: on your measurements the candidate wins {found}."
 
 
-def _check_bf16(bf16_native) -> str:
-    if not isinstance(bf16_native, (bool, np.bool_)):
-        raise Wrong(f"answer True or False, got {bf16_native!r}")
-    info = device_info()
-    if bool(bf16_native) == info.bf16_native:
-        return f"{info.name}: native bf16 {'yes' if info.bf16_native else 'no'}."
-    if info.compute_capability is None:
-        raise Wrong("there is no GPU here: `gpulab.device_info(device).bf16_native` is False on the CPU")
-    cc = ".".join(map(str, info.compute_capability))
-    raise Wrong(f"this GPU has compute capability {cc}; native bf16 needs 8.0 (Ampere) or newer. "
-                "(`torch.cuda.is_bf16_supported()` can say True where bf16 is only emulated.)")
+# ---------------------------------------------------------------- q4: native bf16
+
+
+# Devices the check asks about (name, compute capability; None: the CPU of a machine with an A100).
+_BF16_DEVICES = [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0)), ("Tesla V100-SXM2-16GB", (7, 0)),
+                 ("NVIDIA H100 80GB HBM3", (9, 0)), ("the CPU of a machine with an A100", None)]
+
+
+@contextmanager
+def _simulated_device(name: str, capability: tuple[int, int]):
+    """For the block, ``torch.cuda`` (and ``gpulab.device_info``) describe one GPU, ``name``, of ``capability``."""
+    major, minor = capability
+    props = types.SimpleNamespace(name=name, major=major, minor=minor, total_memory=16 * 2**30,
+                                  multi_processor_count=40, L2_cache_size=4 * 2**20)
+    patches = {
+        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+        "get_device_properties": lambda device=None: props, "get_device_name": lambda device=None: name,
+        "get_device_capability": lambda device=None: capability,
+        "is_bf16_supported": lambda including_emulation=True: major >= 8 or including_emulation,
+    }
+    device_info.cache_clear()  # facts cached for this machine's devices must not answer for the simulated one
+    try:
+        with ExitStack() as stack:
+            for attr, fake in patches.items():
+                stack.enter_context(mock.patch.object(torch.cuda, attr, fake))
+            stack.enter_context(mock.patch.object(device_module, "_nvml_facts", lambda index: (None, None)))
+            yield
+    finally:
+        device_info.cache_clear()
+
+
+def _ask_bf16(has_native_bf16, device: torch.device, what: str) -> bool:
+    try:
+        got = has_native_bf16(device)
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
+        raise Wrong(f"for {what} your function raised {type(err).__name__}: {err}") from None
+    if not isinstance(got, (bool, np.bool_)):
+        raise Wrong(f"for {what} your function returned {got!r}: return True or False")
+    return bool(got)
+
+
+def _bf16_mistake(name, capability, got) -> str:
+    if capability is None:
+        return (f"asked about the CPU (of a machine with a GPU), your function says {got}: look at the `device` you are "
+                "given, not at the machine's GPU. The CPU has no native bf16 in this course's sense")
+    cc = ".".join(map(str, capability))
+    if got:
+        return (f"the {name} (compute capability {cc}) has no native bf16, yet your function says True: native bf16 "
+                "needs 8.0 (Ampere) or newer. (`torch.cuda.is_bf16_supported()` says True where bf16 is only "
+                "emulated, and having a GPU is not enough.)")
+    return (f"the {name} (compute capability {cc}) computes in bf16 natively, yet your function says False: read it "
+            "from the device's facts, `gpulab.device_info(device).bf16_native`, not a fixed answer")
+
+
+def _check_bf16(has_native_bf16) -> str:
+    if not callable(has_native_bf16):
+        raise Wrong("pass your function itself: `q4.check(has_native_bf16)`")
+    for name, capability in _BF16_DEVICES:
+        device = GPU if capability else torch.device("cpu")
+        with _simulated_device(name, capability or (8, 0)):
+            got = _ask_bf16(has_native_bf16, device, f"a simulated {name}" if capability else name)
+        if got != (capability is not None and capability >= (8, 0)):
+            raise Wrong(_bf16_mistake(name, capability, got))
+    here = get_device()
+    got, info = _ask_bf16(has_native_bf16, here, "this machine's device"), device_info(here)
+    if got != info.bf16_native:
+        raise Wrong(f"on this machine ({info.name}) your function says {got}, the device's facts say "
+                    f"{info.bf16_native}: use `gpulab.device_info(device).bf16_native`")
+    return (f"right for a T4, a V100, an A100, an H100 and a CPU (simulated), and here: {info.name}, native bf16 "
+            f"{'yes' if got else 'no'}.")
 
 
 q1 = Question(
@@ -159,8 +456,11 @@ def crossover(sizes, baseline_s, candidate_s):
 )
 
 q4 = Question(
-    lesson="00", number=4, title="Native bf16 on this device?", checker=_check_bf16,
+    lesson="00", number=4, title="Native bf16 on a device?", checker=_check_bf16,
     hint_text="`gpulab.device_info(device)` has a `bf16_native` field; native bf16 needs compute capability 8.0 "
               "or newer, and the CPU has none.",
-    solution_text="bf16_native = gpulab.device_info(device).bf16_native",
+    solution_text="""
+def has_native_bf16(device):
+    return gpulab.device_info(device).bf16_native
+""",
 )

@@ -1,77 +1,119 @@
 """Lesson 01 (CUDA basics): timing asynchronous work, sync points, transfers in a loop, bandwidth."""
 
+import math
 import numbers
 import time
+import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from ..check import Question, Wrong, expect_close
-from ..device import get_device, sync
-from ..observe import observe, simulated_gpu
-from .lesson00 import _positive
+from ..device import sync
+from ..observe import simulated_gpu
+from .lesson00 import GPU, NotJudged, _as_on_gpu, _gpu_run, _positive, _ratio_is, _shape_reads, _where, on_gpu_side, virtual_clock
+
+# ---------------------------------------------------------------- q1: time GPU work correctly
 
 
 def _check_timer(time_ms) -> str:
     if not callable(time_ms):
         raise Wrong("pass your function itself: `q1.check(time_ms)`")
-    here = get_device()
-    if here.type == "cuda":
-        a = torch.randn(4096, 4096, device=here)
-        work = lambda: [a @ a for _ in range(8)]  # queued in microseconds, runs for milliseconds
-        work()
-        sync(here)
-        start = time.perf_counter()
-        work()
-        sync(here)
-        truth_ms = (time.perf_counter() - start) * 1e3
-        gpu_ms = _timed_by_learner(time_ms, work, here, sync_after=True)
-        where = f"on {here}"
-    else:  # no GPU: a simulated one, whose queue runs 32 ms of work that took microseconds to queue
+    # On a virtual clock, so the verdict is exact on any machine: 30 ms asleep on the CPU; then a simulated GPU whose
+    # queue runs 32 ms of work that took no time to queue (as matrix multiplies do on a real one).
+    with virtual_clock(time_ms):
+        said = [_judge_timer(*_timed_by_learner(time_ms, lambda: time.sleep(0.03), torch.device("cpu")), 30.0,
+                             "on the CPU", gpu=False)]
         with simulated_gpu() as gpu:
-            truth_ms = 32.0
-            gpu_ms = _timed_by_learner(time_ms, lambda: [gpu.launch(0.004) for _ in range(8)], torch.device("cuda"))
+            measured = _timed_by_learner(time_ms, lambda: [gpu.launch(0.004) for _ in range(8)], GPU)
             gpu.wait()
-        where = "on a simulated GPU (this machine has none)"
-    _judge_timer(gpu_ms, truth_ms, where, gpu=True)
-    cpu_ms = _timed_by_learner(time_ms, lambda: time.sleep(0.03), torch.device("cpu"))
-    _judge_timer(cpu_ms, 30.0, "on the CPU", gpu=False)
-    return (f"your timer measured {gpu_ms:.3g} ms for GPU work that takes about {truth_ms:.3g} ms ({where}), and "
-            f"{cpu_ms:.3g} ms for 30 ms on the CPU.")
+        said.append(_judge_timer(*measured, 32.0, "on a simulated GPU", gpu=True))
+    if torch.cuda.is_available():
+        said.append(_check_timer_on_the_gpu(time_ms))
+    return "your timer measured " + ", ".join(said) + "."
 
 
-def _timed_by_learner(time_ms, work, device, sync_after=False):
-    """``time_ms(work, device)`` as a number, or Wrong that says what failed and where."""
+def _check_timer_on_the_gpu(time_ms) -> str:
+    """On the real GPU: work that takes far longer to run than to queue. Only a clock read before the GPU finished
+    is judged (it reads a small part of the time): a loaded machine only makes a right answer read more."""
+    a = torch.randn(4096, 4096, device=GPU)
+    work = lambda: [a @ a for _ in range(16)]  # queued in microseconds, runs for milliseconds
+    work()
+    sync(GPU)
+    got, _ = _timed_by_learner(time_ms, work, GPU)
+    sync(GPU)
+    truth_ms = min(_synced_ms(work) for _ in range(3))  # measured after the learner's code, never before
+    if got < 0.5 * truth_ms:
+        raise Wrong(f"on {GPU} your timer says {got:.3g} ms for work that takes about {truth_ms:.3g} ms: the clock "
+                    "stopped when the work was queued. Wait for the GPU (`end.synchronize()` after `end.record()`, or "
+                    "`torch.cuda.synchronize()`) before reading the time")
+    return f"{got:.3g} ms for about {truth_ms:.3g} ms of work on {GPU}"
+
+
+def _synced_ms(work) -> float:
+    start = time.perf_counter()
+    work()
+    sync(GPU)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _timed_by_learner(time_ms, work, device) -> tuple[float, int]:
+    """``time_ms(work, device)`` as a number, and how many times it called ``work``; or Wrong saying what failed."""
+    calls = 0
+
+    def fn():
+        nonlocal calls
+        calls += 1
+        return work()
+
     try:
-        got = time_ms(work, device)
+        got = time_ms(fn, device)
     except NotImplementedError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
-        hint = ("" if device.type == "cpu" else " (time the GPU with torch.cuda.Event(enable_timing=True) or "
-                "torch.cuda.synchronize(), and wait for the end event before elapsed_time)")
-        raise Wrong(f"with device={str(device)!r} your timer raised {type(err).__name__}: {err}{hint}") from None
-    if sync_after:
-        sync(device)
+        raise Wrong(f"with device={str(device)!r} your timer raised {type(err).__name__}: {err}"
+                    + _timer_failed_hint(err, device)) from None
     number = _number(got)
     if number is None:
         raise Wrong(f"with device={str(device)!r} your timer returned {got!r}: return a number of milliseconds")
-    return number
+    return number, calls
 
 
-def _judge_timer(got: float, truth_ms: float, where: str, gpu: bool) -> None:
+def _timer_failed_hint(err: Exception, device) -> str:
+    if device.type == "cpu":
+        gpu = any(word in str(err).lower() for word in ("cuda", "nvidia"))
+        return " (on the CPU there is no GPU to wait for: use time.perf_counter())" if gpu else ""
+    return (" (time the GPU with torch.cuda.Event(enable_timing=True) or torch.cuda.synchronize(), and wait for the "
+            "end event before elapsed_time)")
+
+
+def _judge_timer(got: float, calls: int, truth_ms: float, where: str, gpu: bool) -> str:
+    """Raise Wrong unless ``got`` ms, from ``calls`` calls of fn, is the time of work that takes ``truth_ms``."""
+    if calls != 1:
+        raise Wrong(f"{where} your timer called fn() {calls} times: call it once, and time that one call (no "
+                    "warm-up or repeats inside the timer)")
+    if math.isclose(got, truth_ms / 1e3, rel_tol=0.05):
+        raise Wrong(f"{where} your timer returned {got:.4g} for work that takes {truth_ms:.3g} ms: that is seconds, "
+                    "return milliseconds")
+    if math.isclose(got, truth_ms * 1e3, rel_tol=0.05):
+        raise Wrong(f"{where} your timer returned {got:.4g} for work that takes {truth_ms:.3g} ms: that is "
+                    + ("microseconds: `elapsed_time()` is already in milliseconds" if gpu else
+                       "microseconds: `time.perf_counter()` is in seconds, × 1e3 gives milliseconds"))
+    if got < 0.5 * truth_ms and gpu:
+        raise Wrong(f"{where} your timer says {got:.3g} ms, but the work takes {truth_ms:.3g} ms: the clock stopped "
+                    "when the work was queued, before the GPU had run it. Wait for the GPU (`end.synchronize()` after "
+                    "`end.record()`, or `torch.cuda.synchronize()`) before reading the time")
     if got < 0.5 * truth_ms:
-        seconds = abs(got * 1e3 - truth_ms) <= 0.5 * truth_ms
-        if gpu:
-            raise Wrong(f"{where} your timer says {got:.3g} ms, but the work takes about {truth_ms:.3g} ms: "
-                        + ("that looks like seconds, return milliseconds; or " if seconds else "")
-                        + "the clock stopped when the work was queued, before the GPU had run it. Wait for the GPU "
-                        "(`end.synchronize()` after `end.record()`, or `torch.cuda.synchronize()`) before reading the "
-                        "time")
-        raise Wrong(f"{where} your timer returned {got:.4g} for work that takes about {truth_ms:.3g} ms"
-                    + (": that looks like seconds. Return milliseconds" if seconds else ""))
-    if got > 2 * truth_ms + 5:
-        raise Wrong(f"{where} your timer says {got:.3g} ms, but one call takes about {truth_ms:.3g} ms: time one "
-                    "call of fn only")
+        raise Wrong(f"{where} your timer says {got:.3g} ms for {truth_ms:.3g} ms asleep: read a wall clock, "
+                    "`time.perf_counter()`, before and after the call")
+    if got > 1.5 * truth_ms:
+        raise Wrong(f"{where} your timer says {got:.3g} ms, but one call takes {truth_ms:.3g} ms: time one call of "
+                    "fn only")
+    return f"{got:.3g} ms for {truth_ms:.3g} ms {where}"
+
+
+# ---------------------------------------------------------------- q2: which calls wait
 
 
 # The choices of q2, for `x`, a float32 tensor on the GPU; True where the call makes the CPU wait.
@@ -86,6 +128,17 @@ SYNC_CHOICES = {
     "H": ("pos = x[x > 0]", True),
     "I": ("if x.sum() > 0: ...", True),
 }
+_WHY = {  # what a choice does, said of the choices a learner got wrong (a missed one by its kind, never its letter)
+    "A": "element-wise work only queues more work on the GPU",
+    "B": "a reduction returns a tensor on the GPU: nothing comes back to Python",
+    "C": "Python needs a number (`.item()`) or a bool (`if` on a tensor)",
+    "D": "data copied to the host",
+    "E": "text to print, made from the values",
+    "F": "a result whose shape depends on the values (`nonzero`, a boolean mask)",
+    "G": "element-wise work only queues more work on the GPU",
+    "H": "a result whose shape depends on the values (`nonzero`, a boolean mask)",
+    "I": "Python needs a number (`.item()`) or a bool (`if` on a tensor)",
+}
 
 
 def _check_sync_points(answer) -> str:
@@ -99,57 +152,141 @@ def _check_sync_points(answer) -> str:
         raise Wrong(f"{', '.join(unknown)} is not one of the choices {', '.join(SYNC_CHOICES)}")
     right = {k for k, (_, syncs) in SYNC_CHOICES.items() if syncs}
     if chosen != right:
-        missing, extra = len(right - chosen), len(chosen - right)
-        raise Wrong(f"{len(chosen & right)} of your choices are right; {missing} sync point(s) are missing and "
-                    f"{extra} of your choices do not make the CPU wait")
+        said = [f"{len(chosen & right)} of your {len(chosen)} choices are right"]
+        extra = sorted(chosen - right)
+        for why in dict.fromkeys(_WHY[k] for k in extra):
+            said.append(f"{', '.join(k for k in extra if _WHY[k] == why)} do(es) not wait: {why}")
+        missing = right - chosen
+        if missing:
+            kinds = "; ".join(dict.fromkeys(_WHY[k] for k in sorted(missing)))
+            said.append(f"{len(missing)} call(s) that wait are missing, where the host needs: {kinds}")
+        raise Wrong(". ".join(said))
     return "these are the calls that need a value, a shape or text from the GPU, so they wait for it."
+
+
+# ---------------------------------------------------------------- q3: transfer once, not every step
+
+
+def _loss_value(step: int) -> float:
+    """The loss the check's training step returns at ``step`` (1, 2, ...)."""
+    return 2.0 - 0.125 * step
+
+
+def _losses_with_graphs(device, log: SimpleNamespace):
+    """A ``train_step()`` whose losses carry an autograd graph, as a real step's do; ``log`` counts the calls,
+    notes a call made with gradients off, and the most graphs of earlier steps alive at a call."""
+    weight = torch.ones((), device=device, requires_grad=True)
+    graphs = []
+
+    def train_step():
+        log.calls += 1
+        log.grad_off = log.grad_off or not torch.is_grad_enabled()
+        log.graphs_kept = max(log.graphs_kept, sum(ref() is not None for ref in graphs))
+        activation = torch.full((64,), _loss_value(log.calls), device=device)  # saved for the backward pass
+        graphs.append(weakref.ref(activation))
+        return (weight * activation).mean()
+
+    return train_step
 
 
 def _check_collect(collect_losses) -> str:
     if not callable(collect_losses):
         raise Wrong("pass your function itself: `q3.check(collect_losses)`")
-    here, steps = get_device(), 12
-    values = torch.linspace(2.0, 0.5, steps)
-    # The values, on this machine's device; the transfers, on the GPU or, without one, on "meta" standing in for it.
-    result, calls, _ = _collect_on(collect_losses, values, here)
-    if calls != steps:
-        raise Wrong(f"call train_step() once per step: {steps} steps, your function called it {calls} times")
+    steps = 12
+    log = SimpleNamespace(calls=0, grad_off=False, graphs_kept=0)
+    try:
+        result = collect_losses(_losses_with_graphs(torch.device("cpu"), log), steps, torch.device("cpu"))
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
+        raise Wrong(_collect_failed(str(err), type(err), torch.device("cpu"))) from None
+    _judge_collect_log(log, steps)
+    _judge_collected(result, steps)
+    return _check_collect_on_the_gpu(collect_losses, steps)
+
+
+def _judge_collect_log(log, steps: int) -> None:
+    if log.calls != steps:
+        raise Wrong(f"call train_step() once per step: {steps} steps, your function called it {log.calls} times")
+    if log.grad_off:
+        raise Wrong("your function called train_step() with gradients off (`torch.no_grad()`): a real training step "
+                    "could not back-propagate there. Keep the step as it is, and `.detach()` the loss it returns")
+    if log.graphs_kept > 1:
+        raise Wrong(f"your function kept each step's loss with its autograd graph ({log.graphs_kept} steps' graphs were "
+                    "alive at once): every graph keeps its step's activations in memory. Keep `loss.detach()`")
+
+
+def _judge_collected(result, steps: int) -> None:
     if not isinstance(result, (np.ndarray, list, tuple)) or isinstance(result, (list, tuple)) and any(
             isinstance(v, torch.Tensor) for v in result):
         raise Wrong(f"return the losses as a NumPy array (`.cpu().numpy()`), got {type(result).__name__}")
     got = np.asarray(result, dtype=float).ravel()
-    if got.shape != (steps,) or not np.allclose(got, values.numpy()):
-        raise Wrong(f"expected the {steps} losses in order, {np.round(values.numpy(), 3)}, got {np.round(got, 3)}")
-    device = here if here.type == "cuda" else torch.device("meta")
-    _, _, seen = _collect_on(collect_losses, values, device)
+    expected = np.array([_loss_value(step) for step in range(1, steps + 1)])  # only now: nothing to find before
+    if got.shape != (steps,) or not np.allclose(got, expected):
+        raise Wrong(f"expected the {steps} losses in order, {np.round(expected, 3)}, got {np.round(got, 3)}")
+
+
+def _collect_failed(words: str, kind: type, device: torch.device) -> str:
+    if "requires grad" in words:
+        return ("your function read losses that still carry their autograd graph (NumPy cannot take them): keep "
+                "`loss.detach()`, which also lets each step's graph go")
+    return f"with the losses on {device} your function raised {kind.__name__}: {words}"
+
+
+class _Stamped(list):
+    """``Observed.syncs``, remembering for each wait how many copies had been asked for before it."""
+
+    def __init__(self, copies: list):
+        super().__init__()
+        self.copies, self.after = copies, []
+
+    def append(self, item) -> None:
+        self.after.append(len(self.copies))
+        super().append(item)
+
+
+def _unwaited_reads(seen) -> list:
+    """The non-blocking copies from the GPU to the host that no wait followed: their values may not be there."""
+    return [c for i, c in enumerate(seen.copies) if c.non_blocking and c.target == "cpu" and on_gpu_side(c.source)
+            and not any(n > i for n in seen.syncs.after)]
+
+
+def _check_collect_on_the_gpu(collect_losses, steps: int) -> str:
+    """What the function does with losses on the GPU (or a stand-in for it): its copies to the host and waits."""
+    log = SimpleNamespace(calls=0, grad_off=False, graphs_kept=0, waits=[])
+    try:
+        with _gpu_run() as seen:
+            seen.syncs = _Stamped(seen.copies)
+            train_step = _losses_with_graphs(GPU, log)
+
+            def watched_step():
+                if log.calls == steps - 1:  # the last step: how often has the host waited so far?
+                    log.waits = [*seen.syncs, *_shape_reads(seen.host_reads)]
+                return train_step()
+
+            collect_losses(watched_step, steps, GPU)
+    except NotJudged:
+        return f"{steps} losses, right; how your function behaves on a GPU could not be judged on this machine."
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
+        raise Wrong(_collect_failed(_as_on_gpu(err), type(err), GPU)) from None
     transfers = len(seen.to_host)
     if transfers > 1:
-        raise Wrong(f"your function copied losses from the device to the host {transfers} times for {steps} steps "
+        raise Wrong(f"your function copied losses from the GPU to the host {transfers} times for {steps} steps "
                     f"({seen.to_host_kinds()}), and each copy makes the CPU wait for the GPU. Keep them "
                     "on the device (`torch.stack`, or a tensor on `device`) and transfer once, at the end")
-    where = f"on {device}" if device.type == "cuda" else "on a stand-in device: this machine has no GPU"
-    return f"{steps} losses, {transfers} transfer to the host ({where})."
+    if len(log.waits) > 1:  # one stray wait costs little; one per step leaves the GPU idle again and again
+        raise Wrong(f"your function waited for the GPU {len(log.waits)} times before the last step "
+                    f"({', '.join(dict.fromkeys(log.waits))}): each wait leaves the GPU idle. Wait once, at the end")
+    if _unwaited_reads(seen):
+        raise Wrong("your copy to the host was non-blocking (`non_blocking=True`) and nothing waited for it: on a GPU "
+                    "the values may not have arrived when they are read. Copy with `.cpu()`, which waits, or call "
+                    "`torch.cuda.synchronize()` before reading")
+    return f"{steps} losses, {transfers} transfer to the host ({_where(GPU)})."
 
 
-def _collect_on(collect_losses, values, device):
-    """Run ``collect_losses`` with losses on ``device``: (result, calls of train_step, what observe saw)."""
-    calls = 0
-
-    def train_step():
-        nonlocal calls
-        calls += 1
-        return values[(calls - 1) % len(values)].to(device)
-
-    try:
-        with observe(fake_meta_reads=True) as seen:
-            result = collect_losses(train_step, len(values), device)
-    except NotImplementedError as err:
-        if "meta" in str(err):
-            raise Wrong(f"on the check's stand-in device your code failed: {err}") from None
-        raise
-    except (RuntimeError, TypeError) as err:
-        raise Wrong(f"with the losses on {device} your function raised {type(err).__name__}: {err}") from None
-    return result, calls, seen
+# ---------------------------------------------------------------- q4: bandwidth of a vector add
 
 
 def _number(value) -> float | None:
@@ -162,19 +299,30 @@ def _number(value) -> float | None:
         return None
 
 
+_COPY_MISTAKES = ((0.5, "a copy reads every byte *and* writes it: count 2 × x.nbytes"),
+                  (0.125, "count bytes (`x.nbytes`), not elements, and a copy reads *and* writes them: 2 × x.nbytes"),
+                  (0.25, "count bytes (`x.nbytes`, 4 per float32 element), not elements"),
+                  (1e9, "that is bytes per second: divide by 1e9 for GB/s"),
+                  (1e9 / 2**30, "that is GiB/s: 1 GB is 1e9 bytes, not 2³⁰"),
+                  (1e-3, "the times are in seconds: do not divide them by 1000"))
+_FRACTION_MISTAKES = ((2 / 3, "x + y reads two arrays and writes one: count 3 × x.nbytes"),
+                      (100, "a fraction, not a percentage"))
+
+
 def _check_bandwidth(x, copy_seconds, add_seconds, copy_gbs, fraction) -> str:
     if not isinstance(x, torch.Tensor):
         raise Wrong(f"pass the input tensor x first, got {type(x).__name__}")
     nbytes = x.numel() * x.element_size()
     copy_s, add_s = _positive(copy_seconds, "copy_seconds"), _positive(add_seconds, "add_seconds")
     expected_copy = 2 * nbytes / copy_s / 1e9
-    if _number(copy_gbs) is not None and abs(_number(copy_gbs) / expected_copy - 0.5) < 0.01:
-        raise Wrong(f"expected {expected_copy:.4g} GB/s, got {_number(copy_gbs):.4g}: a copy reads every byte "
-                    "*and* writes it")
+    for ratio, why in _COPY_MISTAKES:
+        if _ratio_is(_number(copy_gbs), expected_copy, ratio):
+            raise Wrong(f"expected a copy bandwidth of {expected_copy:.4g} GB/s, got {_number(copy_gbs):.4g}: {why}")
     expect_close(copy_gbs, expected_copy, rel=0.02, what="the copy bandwidth", unit="GB/s")
     expected = 3 * nbytes / add_s / 1e9 / _number(copy_gbs)
-    for ratio, why in ((2 / 3, "x + y reads two arrays and writes one"), (100, "a fraction, not a percentage")):
-        if _number(fraction) is not None and abs(_number(fraction) / expected / ratio - 1) < 0.01:
+    inverted = (1 / expected**2, "that is the copy's bandwidth over the add's: divide the add's by the copy's")
+    for ratio, why in () if _ratio_is(_number(fraction), expected, 1) else (*_FRACTION_MISTAKES, inverted):
+        if _ratio_is(_number(fraction), expected, ratio, rel=0.01):
             raise Wrong(f"expected a fraction of {expected:.3g}, got {_number(fraction):.3g}: {why}")
     expect_close(fraction, expected, rel=0.02, what="the fraction of copy bandwidth")
     return (f"the vector add moved data at {_number(fraction):.0%} of this device's measured copy bandwidth "
@@ -207,7 +355,7 @@ q2 = Question(
     hint_text="A call waits when Python needs something only the finished GPU work can give: a number, a bool "
               "for an `if`, text to print, data on the CPU, or a shape that depends on the values. On a GPU, "
               "`torch.cuda.set_sync_debug_mode('warn')` warns at each such call.",
-    solution_text="sync_points = {'C', 'D', 'E', 'F', 'H', 'I'}",
+    solution_text='sync_points = {"C", "D", "E", "F", "H", "I"}',
 )
 
 q3 = Question(

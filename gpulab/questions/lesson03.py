@@ -36,6 +36,8 @@ _KNEE_CASES = [  # (curve, gain)
     (_SATURATING, 0.5),
     (_curve({1: 100, 2: 180, 4: 185, 8: 300, 16: 310}), 0.1),  # a dip: the first flat step is the knee
     (_curve({1: 10, 2: 20, 4: 40, 8: 80}), 0.1),  # not saturated yet: the largest batch measured
+    (_curve({1: 100, 2: 150, 4: 160}), 0.5),  # exactly the gain asked for is not "less than" it
+    (_curve({8: 100}), 0.1),  # one batch size measured
 ]
 
 
@@ -76,12 +78,29 @@ def _peak(curve: pd.DataFrame, gain: float) -> int:
     return int(curve["batch_size"][curve["samples_per_s"].idxmax()])
 
 
+def _fixed_gain(curve: pd.DataFrame, gain: float) -> int:
+    return knee_by_gain(curve, 0.1)
+
+
+def _at_most_gain(curve: pd.DataFrame, gain: float) -> int:
+    rows = curve.sort_values("batch_size")
+    sizes, rates = rows["batch_size"].tolist(), rows["samples_per_s"].tolist()
+    return next((sizes[i] for i in range(len(sizes) - 1) if rates[i + 1] <= (1 + gain) * rates[i]), sizes[-1])
+
+
+def _position(curve: pd.DataFrame, gain: float) -> int:
+    return sorted(curve["batch_size"]).index(knee_by_gain(curve, gain))
+
+
 _KNEE_MISTAKES = (  # what a wrong knee function may have done, recognised by its answers on every case
     (_in_given_order, " Some curves come with their rows in any order: sort them by batch size first."),
     (_one_too_far, " That is the batch after the knee: return the batch *before* the step that gains too little."),
     (_ninety_percent, " That is the lesson's knee (the first batch reaching 90% of the best throughput); this question "
                       "asks for the first batch after which the *next* one gains less than `gain`."),
     (_peak, " That is where throughput peaks, not where it stops growing."),
+    (_fixed_gain, " Use the `gain` you are given, not a fixed 10%."),
+    (_at_most_gain, " A step that gains exactly `gain` is not flat yet: the next batch must gain *less* than `gain`."),
+    (_position, " That is the knee's position in the sorted curve: return its batch size."),
 )
 
 
@@ -98,43 +117,74 @@ def _knee_hint(answers: list) -> str:
 def _check_accumulation(accumulate_gradients) -> str:
     if not callable(accumulate_gradients):
         raise Wrong("pass your function itself: `q2.check(accumulate_gradients)`")
-    for batch, micro in ((12, 4), (10, 4)):
+    for batch, micro in ((12, 4), (10, 4), (9, 4)):
         _check_one_accumulation(accumulate_gradients, batch, micro)
     return "your accumulated gradients equal the large batch's, with equal and with unequal micro-batches."
 
 
-def _check_one_accumulation(accumulate_gradients, batch: int, micro: int) -> None:
+def _accumulation_inputs(batch: int):
+    """A model (float64) and a batch of ``batch`` samples, the same every call."""
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, 20, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 10, (batch,), generator=gen)
-    model = WideMLP(in_features=20, width=32, depth=2, seed=3).double()
-    F.cross_entropy(model(x), y).backward()
-    expected = [p.grad.clone() for p in model.parameters()]
-    weights = [p.detach().clone() for p in model.parameters()]
+    return WideMLP(in_features=20, width=32, depth=2, seed=3).double(), x, y
 
-    model.zero_grad(set_to_none=True)
-    sizes = []
-    hook = model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+
+class _MicroBatches:
+    """What a model ran on: the size of each forward pass, and whether one began before the last one's backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.sizes, self.pending, self.overlapped = [], 0, False
+        self.handle = model.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output) -> None:
+        self.overlapped = self.overlapped or self.pending > 0
+        self.sizes.append(args[0].shape[0])
+        if output.requires_grad:
+            self.pending += 1
+            output.register_hook(self._backward)
+
+    def _backward(self, grad) -> None:
+        self.pending -= 1
+
+
+def _check_one_accumulation(accumulate_gradients, batch: int, micro: int) -> None:
+    model, x, y = _accumulation_inputs(batch)
+    seen = _MicroBatches(model)
     try:
         accumulate_gradients(model, x, y, micro)
     finally:
-        hook.remove()
-    counts = [micro] * (batch // micro) + ([batch % micro] if batch % micro else [])
-    if sorted(sizes, reverse=True) != counts:
+        seen.handle.remove()
+    counts = [len(part) for part in torch.arange(batch).split(micro)]
+    if sorted(seen.sizes, reverse=True) != counts:
+        chunked = sorted(seen.sizes, reverse=True) == [len(p) for p in torch.arange(batch).chunk(len(seen.sizes))]
         raise Wrong(f"a batch of {batch} in micro-batches of at most {micro} should run the model on {counts} "
-                    f"samples, but it ran on {sizes}")
-    if any(not torch.equal(w, p) for w, p in zip(weights, model.parameters())):
+                    f"samples, but it ran on {seen.sizes}" + (": `x.chunk(k)` cuts k equal pieces, "
+                    "`x.split(micro_batch)` pieces of micro_batch samples" if chunked and len(seen.sizes) > 1 else ""))
+    if seen.overlapped:
+        raise Wrong("a micro-batch's forward pass ran before the previous one's backward(): all their activations were "
+                    "alive at once, which is what accumulation avoids. Call backward() inside the loop, once per "
+                    "micro-batch")
+    reference, _, _ = _accumulation_inputs(batch)  # the same weights, to compare with; made only now
+    if any(not torch.equal(w, p) for w, p in zip(reference.parameters(), model.parameters())):
         raise Wrong("the weights changed: only accumulate the gradients, leave optimizer.step() to the caller")
     grads = [p.grad for p in model.parameters()]
     if any(g is None for g in grads):
         raise Wrong("some parameters have no gradient: call loss.backward() for every micro-batch")
+    F.cross_entropy(reference(x), y).backward()
+    _judge_accumulated(grads, [p.grad for p in reference.parameters()], counts)
+
+
+def _judge_accumulated(grads, expected, counts: list) -> None:
+    batch, k = sum(counts), len(counts)
     if all(torch.allclose(g, e) for g, e in zip(grads, expected)):
         return
-    k = len(counts)
-    if all(torch.allclose(g, k * e) for g, e in zip(grads, expected)):
-        raise Wrong(f"your gradients are {k}× too large: each micro-batch's mean loss must be scaled down before "
-                    "backward(), since backward() adds gradients up")
-    if batch % micro:
+    for factor, why in ((k, f"{k}× too large: each micro-batch's mean loss must be scaled down before backward(), "
+                            "since backward() adds gradients up"),
+                        (batch, f"{batch}× too large: a summed loss (`reduction='sum'`) must be divided by len(x)")):
+        if all(torch.allclose(g, factor * e) for g, e in zip(grads, expected)):
+            raise Wrong(f"your gradients are {why}")
+    if len(set(counts)) > 1:
         raise Wrong(f"with micro-batches of {counts} samples the gradients differ from the large batch's: weight each "
                     "micro-batch's mean loss by its share of the batch (len(xb) / len(x)); dividing by the number "
                     "of micro-batches is only right when they are all the same size")
@@ -145,55 +195,91 @@ def _check_one_accumulation(accumulate_gradients, batch: int, micro: int) -> Non
 # ----- q3: a batch search that respects a memory budget ---------------------------------------------
 
 
+# (what, a fresh peak_bytes(b), budget, max_batch): the answers are worked out only after the learner's search.
+_SEARCH_CASES = [
+    ("1 kB + 300 B per sample", lambda: (lambda b: 1000 + 300 * b), 100_000, 4096),
+    ("1 kB + 300 B per sample, max_batch=200", lambda: (lambda b: 1000 + 300 * b), 100_000, 200),
+    ("a card that runs out of memory above batch 77", lambda: _Card(77), 10**12, 4096),
+    ("a model that needs more than the budget even at batch 1", lambda: (lambda b: 10_000 + b), 5_000, 1024),
+    ("max_batch=1", lambda: (lambda b: b), 100, 1),
+]
+
+
 def _check_search(largest_batch) -> str:
     if not callable(largest_batch):
         raise Wrong("pass your function itself: `q3.check(largest_batch)`")
-    cases = [  # (description, peak_bytes(b), budget, max_batch, answer)
-        ("1 kB + 300 B per sample", lambda b: 1000 + 300 * b, 100_000, 4096, 330),
-        ("1 kB + 300 B per sample, max_batch=200", lambda b: 1000 + 300 * b, 100_000, 200, 200),
-        ("a card that runs out of memory above batch 77", _Card(77), 10**12, 4096, 77),
-        ("a model that needs more than the budget even at batch 1", lambda b: 10_000 + b, 5_000, 1024, 0),
-        ("max_batch=1", lambda b: b, 100, 1, 1),
-    ]
-    for what, peak, budget, max_batch, answer in cases:
-        calls = []
-
-        def peak_bytes(batch_size, peak=peak, calls=calls, max_batch=max_batch):
-            calls.append(batch_size)
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= max_batch:
-                raise ValueError(f"batch sizes are whole numbers from 1 to max_batch={max_batch}")
-            if isinstance(peak, _Card) and peak.held():
-                raise _StillHeld
-            return peak(batch_size)
-
-        try:
-            got = largest_batch(peak_bytes, budget, max_batch)
-        except torch.OutOfMemoryError:
-            raise Wrong(f"({what}) your search let torch.OutOfMemoryError escape: catch it, a batch that does not "
-                        "fit on the card counts as a failure") from None
-        except _StillHeld:
-            raise Wrong(f"({what}) a trial started while the tensors of a failed one were still alive: something kept "
-                        "the out-of-memory error, whose traceback holds the failed step's tensors. Catch it and let "
-                        "it go (no `errors.append(err)`, no `last_error = err`)") from None
-        except ValueError:
-            if not _bad_calls(calls, max_batch):
-                raise
-        bad = _bad_calls(calls, max_batch)
-        if bad:
-            raise Wrong(f"({what}) peak_bytes was called with {bad[0]!r}: batch sizes are whole numbers "
-                        f"from 1 to max_batch={max_batch}")
-        limit = 2 * math.ceil(math.log2(max_batch)) + 2
-        if got != answer:
-            power = " (a power of two: after the first failure, bisect between the last fit and it)" if (
-                isinstance(got, int) and got > 1 and got & (got - 1) == 0) else ""
-            raise Wrong(f"({what}, budget {budget:,} B) the largest batch that fits is {answer}, your search "
-                        f"returned {got}{power}; it tried {calls}")
-        if len(calls) > limit:
-            raise Wrong(f"({what}) your search needed {len(calls)} measurements; doubling then bisecting needs at "
-                        f"most {limit} for max_batch={max_batch}")
+    for what, make_peak, budget, max_batch in _SEARCH_CASES:
+        got, calls = _run_search(largest_batch, what, make_peak(), budget, max_batch)
+        _judge_search(what, make_peak, budget, max_batch, got, calls)
     _check_bug_surfaces(largest_batch)
     return ("your search finds the exact largest batch within the budget, stops at max_batch, survives OOM, lets "
             "the failed step's memory go, and lets a bug surface.")
+
+
+def _run_search(largest_batch, what: str, peak, budget: int, max_batch: int):
+    """``largest_batch`` on ``peak``: (its answer, the batch sizes it tried); Wrong when an error escapes it."""
+    calls = []
+
+    def peak_bytes(batch_size):
+        calls.append(batch_size)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= max_batch:
+            raise ValueError(f"batch sizes are whole numbers from 1 to max_batch={max_batch}")
+        if isinstance(peak, _Card) and peak.held():
+            raise _StillHeld
+        return peak(batch_size)
+
+    try:
+        return largest_batch(peak_bytes, budget, max_batch), calls
+    except torch.OutOfMemoryError:
+        raise Wrong(f"({what}) your search let torch.OutOfMemoryError escape: catch it, a batch that does not "
+                    "fit on the card counts as a failure") from None
+    except _StillHeld:
+        raise Wrong(f"({what}) a trial started while the tensors of a failed one were still alive: something kept "
+                    "the out-of-memory error, whose traceback holds the failed step's tensors. Catch it and let "
+                    "it go (no `errors.append(err)`, no `last_error = err`)") from None
+    except ValueError:
+        if not _bad_calls(calls, max_batch):
+            raise
+        return None, calls
+
+
+def _fits(peak, budget: int, batch: int) -> bool:
+    try:
+        return peak(batch) <= budget
+    except torch.OutOfMemoryError:
+        return False
+
+
+def _largest_fit(make_peak, budget: int, max_batch: int) -> int:
+    """The answer: the largest batch from 1 to max_batch that fits, or 0 (memory grows with the batch)."""
+    lo, hi = 0, max_batch + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _fits(make_peak(), budget, mid) else (lo, mid)
+    return lo
+
+
+def _judge_search(what: str, make_peak, budget: int, max_batch: int, got, calls: list) -> None:
+    bad = _bad_calls(calls, max_batch)
+    if bad:
+        raise Wrong(f"({what}) peak_bytes was called with {bad[0]!r}: batch sizes are whole numbers "
+                    f"from 1 to max_batch={max_batch}")
+    answer = _largest_fit(make_peak, budget, max_batch)
+    if got != answer:
+        if got is None and answer == 0:
+            why = ": return 0, not None, when not even batch 1 fits"
+        elif isinstance(got, int) and 1 <= got <= max_batch and not _fits(make_peak(), budget, got):
+            why = f": batch {got} does not fit (return the last batch that fitted, not the first that failed)"
+        elif isinstance(got, int) and got > 1 and got & (got - 1) == 0:
+            why = " (a power of two: after the first failure, bisect between the last fit and it)"
+        else:
+            why = ""
+        raise Wrong(f"({what}, budget {budget:,} B) the largest batch that fits is {answer}, your search "
+                    f"returned {got!r}{why}; it tried {calls}")
+    limit = 2 * math.ceil(math.log2(max_batch)) + 2
+    if len(calls) > limit:
+        raise Wrong(f"({what}) your search needed {len(calls)} measurements; doubling then bisecting needs at "
+                    f"most {limit} for max_batch={max_batch}")
 
 
 class _ModelBug(RuntimeError):

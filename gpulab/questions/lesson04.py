@@ -3,6 +3,7 @@ fp16 underflow, and AMP with gradient accumulation and clipping (observed: autoc
 scaler's calls, the gradients the optimizer sees)."""
 
 import copy
+import itertools
 import math
 import numbers
 import warnings
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from ..check import Question, Wrong, expect_close
 from ..models import seeded
 from ..observe import observe
-from .lesson00 import _positive
+from .lesson00 import _positive, _ratio_is
 
 # ---- q1: TFLOP/s from a timing -------------------------------------------------------------------------------
 
@@ -24,12 +25,18 @@ def _check_tflops(tflops, m, n, k, seconds) -> str:
     expected = 2 * m * n * k / seconds / 1e12
     if isinstance(tflops, torch.Tensor) and tflops.numel() == 1:
         tflops = tflops.item()
-    if isinstance(tflops, numbers.Real) and not isinstance(tflops, bool) and tflops > 0:
-        for value, why in ((expected / 2, "you counted M·N·K operations: each multiply-add is 2 FLOPs"),
-                           (expected * 1e3, "that looks like GFLOP/s: divide by 1e12 for TFLOP/s"),
-                           (expected * 1e12, "that is FLOP/s: divide by 1e12 for TFLOP/s"),
-                           (2 * m**3 / seconds / 1e12, "the matrices are not square: count 2·M·N·K, not 2·M³")):
-            if abs(tflops - value) <= 0.02 * value and abs(tflops - expected) > 0.02 * expected:
+    if not _ratio_is(tflops, expected, 1):
+        dims = {"M": m, "N": n, "K": k}
+        other = {2 * math.prod(dims[d] for d in combo) / seconds / 1e12 for combo in
+                 itertools.combinations_with_replacement("MNK", 3)} - {expected}
+        for ratio, why in ((0.5, "you counted M·N·K operations: each multiply-add is 2 FLOPs"),
+                           (1e3, "that looks like GFLOP/s: divide by 1e12 for TFLOP/s"),
+                           (1e12, "that is FLOP/s: divide by 1e12 for TFLOP/s"),
+                           (1e-3, "`seconds` is in seconds: do not divide it by 1000"),
+                           (1e12 / 2**40, "1 TFLOP/s is 1e12 FLOP/s, not 2⁴⁰"),
+                           *((value / expected, "the matrices are (M×K) @ (K×N), not square: count 2·M·N·K")
+                             for value in sorted(other))):
+            if _ratio_is(tflops, expected, ratio):
                 raise Wrong(why)
     expect_close(tflops, expected, rel=0.02, what="the throughput", unit="TFLOP/s")
     return f"2·M·N·K / seconds = {expected:.3g} TFLOP/s for this ({m}×{k}) @ ({k}×{n}) matmul."
@@ -56,7 +63,7 @@ class _SpyScaler:
 
     def __init__(self, optimizer, scale: float = 1024.0):
         self.scale_value, self.optimizer = scale, optimizer
-        self.calls, self.scaled_losses = [], []
+        self.calls, self.scaled_losses = optimizer.calls, []  # one list: the scaler's calls and zero_grad
         self.raw_grads = self.grads_at_step = None
         self.unscaled = False
 
@@ -106,11 +113,15 @@ class _SpyScaler:
 
 
 class _SpySGD(torch.optim.SGD):
-    """SGD that counts its steps and knows whether the scaler called it."""
+    """SGD that counts its steps, knows whether the scaler called it, and notes each zero_grad() in ``calls``."""
 
     def __init__(self, params, lr):
         super().__init__(params, lr=lr)
-        self.inside_scaler, self.steps, self.direct_steps = False, 0, 0
+        self.inside_scaler, self.steps, self.direct_steps, self.calls = False, 0, 0, []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append("zero_grad")
+        super().zero_grad(set_to_none)
 
     def step(self, closure=None):
         self.steps += 1
@@ -208,25 +219,47 @@ def _norm(grads) -> float:
 def _check_train_step(train_step) -> str:
     if not callable(train_step):
         raise Wrong("pass your function itself: `q2.check(train_step)`")
-    model = _small_model()
-    (x, y), dtype, lr = _batch(16, seed=0), torch.bfloat16, 0.1
-    ref_grads, ref_loss = _reference_grads(model, [(x, y)], dtype)
-    with torch.no_grad():
-        ref_after = [p - lr * g for p, g in zip(model.parameters(), ref_grads)]
-    loss, seen, scaler, optimizer = _spied_run(train_step, model, x, y, device_type="cpu", dtype=dtype, lr=lr)
+    model, dtype, lr = _small_model(), torch.bfloat16, 0.1
+    loss, seen, scaler, optimizer = _spied_run(train_step, model, *_batch(16, seed=0), device_type="cpu", dtype=dtype,
+                                               lr=lr)
     _check_autocast(seen, "cpu", dtype, dtype)
     _check_no_host_reads(seen, "your step")
-    if "scale" not in scaler.calls:
+    ref_grads, ref_loss = _reference_grads(_small_model(), [_batch(16, seed=0)], dtype)  # only now: nothing to find
+    _check_step_calls(scaler, optimizer, ref_loss)
+    _check_step_grads(scaler, ref_grads)
+    with torch.no_grad():
+        ref_after = [p - lr * g for p, g in zip(_small_model().parameters(), ref_grads)]
+    if not all(torch.allclose(p, a, rtol=1e-3, atol=1e-5) for p, a in zip(model.parameters(), ref_after)):
+        raise Wrong("the weights after your step differ from one SGD step on the unscaled gradients")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise Wrong(f"return the loss as a one-element tensor (`loss` or `loss.detach()`), got {type(loss).__name__}")
+    expect_close(loss.detach().float(), ref_loss.item(), rel=1e-2, what="the returned loss")
+    _check_dtype_and_device(train_step, lambda where: tuple(t.to(where) for t in _batch(16, seed=0)))
+    return ("autocast(device_type, dtype) forward, scaled backward, scaler.step(optimizer), scaler.update(), and no "
+            "value read back to Python: the whole recipe.")
+
+
+def _check_step_calls(scaler, optimizer, ref_loss) -> None:
+    calls = scaler.calls
+    if "scale" not in calls:
         raise Wrong("the loss was never scaled: call `scaler.scale(loss).backward()`")
     if not torch.allclose(scaler.scaled_losses[0].float() / scaler.scale_value, ref_loss, rtol=1e-3):
         raise Wrong("scaler.scale() got a different loss than `F.cross_entropy(model(x), y)` under autocast")
     if optimizer.direct_steps:
         raise Wrong("you called optimizer.step() yourself: call `scaler.step(optimizer)` instead, which unscales "
                     "the gradients and skips the step when they overflowed")
-    if "step" not in scaler.calls:
+    if "step" not in calls:
         raise Wrong("the optimizer never stepped: call `scaler.step(optimizer)` after the backward pass")
     if optimizer.steps != 1:
         raise Wrong(f"the optimizer stepped {optimizer.steps} times in one training step: once is enough")
+    if "zero_grad" in calls[calls.index("scale"):calls.index("step")]:
+        raise Wrong("optimizer.zero_grad() ran after the backward pass and erased its gradients: clear them before "
+                    "`scaler.scale(loss).backward()`")
+    if "update" not in calls or calls.index("update") < calls.index("step"):
+        raise Wrong("call `scaler.update()` after `scaler.step(optimizer)`: it adapts the scale for the next step")
+
+
+def _check_step_grads(scaler, ref_grads) -> None:
     raw = scaler.raw_grads
     if any(g is None for g in raw):
         raise Wrong("some weights had no gradient when the optimizer stepped: call `.backward()` on the scaled "
@@ -241,16 +274,6 @@ def _check_train_step(train_step) -> str:
     if not _close(raw, scaled):
         raise Wrong("the gradients at the optimizer step are not those of the scaled loss: zero the gradients, "
                     "then `scaler.scale(loss).backward()`, then `scaler.step(optimizer)`")
-    if "update" not in scaler.calls or scaler.calls.index("update") < scaler.calls.index("step"):
-        raise Wrong("call `scaler.update()` after `scaler.step(optimizer)`: it adapts the scale for the next step")
-    if not all(torch.allclose(p, a, rtol=1e-3, atol=1e-5) for p, a in zip(model.parameters(), ref_after)):
-        raise Wrong("the weights after your step differ from one SGD step on the unscaled gradients")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise Wrong(f"return the loss as a one-element tensor (`loss` or `loss.detach()`), got {type(loss).__name__}")
-    expect_close(loss.detach().float(), ref_loss.item(), rel=1e-2, what="the returned loss")
-    _check_dtype_and_device(train_step, lambda where: (x.to(where), y.to(where)))
-    return ("autocast(device_type, dtype) forward, scaled backward, scaler.step(optimizer), scaler.update(), and no "
-            "value read back to Python: the whole recipe.")
 
 
 q2 = Question(
@@ -263,7 +286,7 @@ q2 = Question(
     solution_text="""
 def train_step(model, optimizer, scaler, x, y, device_type, dtype):
     with torch.autocast(device_type, dtype=dtype):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -294,6 +317,32 @@ def _test_gradients() -> torch.Tensor:
     return (grads * signs)[torch.randperm(len(grads), generator=g)]
 
 
+def _share(grads: torch.Tensor, lost: torch.Tensor, of=None) -> float:
+    """The share of ``of`` (default: the non-zero gradients) that ``lost`` marks."""
+    of = grads != 0 if of is None else of
+    return (lost & of).sum().item() / of.sum().item()
+
+
+def _underflow_mistake(got: float, grads: torch.Tensor, scale: float) -> str | None:
+    """What a wrong share computed, when it is a known mistake."""
+    nonzero, tiny = grads != 0, torch.finfo(torch.float16).tiny
+    mistakes = (
+        (_share(grads, (grads * scale).half() == 0, torch.ones_like(nonzero)),
+         "count only the gradients that were non-zero before the cast: exact zeros did not underflow, they were zero "
+         "already"),
+        (_share(grads, (grads * scale).half() == 0) * nonzero.float().mean().item(),
+         "divide by the number of non-zero gradients, not by all of them"),
+        (_share(grads, (grads * scale).abs() < tiny),
+         "that is the share below fp16's smallest *normal* number: those become subnormal, not zero. Cast "
+         "(`.half()`) and compare with 0"),
+        (_share(grads, grads.half() == 0), "multiply the gradients by `scale` before the cast"),
+        (_share(grads, (grads * scale).bfloat16() == 0), "cast to fp16 (`.half()`): bf16 keeps fp32's range, so "
+                                                         "almost nothing underflows there"),
+        (100 * _true_share(grads, scale), "return a share between 0 and 1, not a percentage"),
+    )
+    return next((why for value, why in mistakes if abs(got - value) <= 1e-6), None)
+
+
 def _check_underflow_share(underflow_share) -> str:
     if not callable(underflow_share):
         raise Wrong("pass your function itself: `q3.check(underflow_share)`")
@@ -305,17 +354,10 @@ def _check_underflow_share(underflow_share) -> str:
             got = got.item()
         if isinstance(got, bool) or not isinstance(got, numbers.Real):
             raise Wrong(f"return the share as a number between 0 and 1, got {type(got).__name__}")
-        expected = _true_share(grads, scale)
+        expected = _true_share(grads, scale)  # computed only now: nothing to find while your function ran
         if abs(got - expected) > 1e-6:
-            zeros_counted = (((grads * scale).half() == 0).float().mean().item())
-            if abs(got - zeros_counted) <= 1e-6:
-                raise Wrong("count only the gradients that were non-zero before the cast: exact zeros did not "
-                            "underflow, they were zero already")
-            if scale == 1.0 and abs(got - ((grads != 0) & (grads.abs() < torch.finfo(torch.float16).tiny)).sum()
-                                    .item() / (grads != 0).sum().item()) <= 1e-6:
-                raise Wrong("that is the share below fp16's smallest *normal* number: those become subnormal, not "
-                            "zero. Cast (`.half()`) and compare with 0")
-            raise Wrong(f"with scale = {scale:g} your share is {got:.4g}, but {expected:.4g} of the non-zero "
+            raise Wrong(_underflow_mistake(got, grads, scale) or
+                        f"with scale = {scale:g} your share is {got:.4g}, but {expected:.4g} of the non-zero "
                         "gradients become 0 when `(grads * scale).half()` is computed. Cast, then compare with 0: "
                         "fp16 rounds to the nearest value, so numbers just under 2⁻²⁴ round up, not to 0")
         results.append(f"{expected:.1%} at scale {scale:g}")
@@ -345,29 +387,36 @@ def _micro_batches(k: int = 4, size: int = 8, seed: int = 1) -> list:
 def _check_accumulation_step(accumulation_step) -> str:
     if not callable(accumulation_step):
         raise Wrong("pass your function itself: `q4.check(accumulation_step)`")
-    micro, dtype, lr = _micro_batches(), torch.bfloat16, 0.1
-    k = len(micro)
-    mean_grads, mean_loss = _reference_grads(_small_model(), micro, dtype)
-    true_norm = _norm(mean_grads)
-    for factor in (100.0, 0.3):  # a bound far above the gradients' norm, then one that clips them
-        max_norm = factor * true_norm
-        clipped = [g * min(1.0, max_norm / (true_norm + 1e-6)) for g in mean_grads]
-        loss, seen, scaler, optimizer = _spied_run(accumulation_step, _small_model(), micro, max_norm,
+    dtype, lr, k = torch.bfloat16, 0.1, len(_micro_batches())
+    true_norm = _norm(_reference_grads(_small_model(), _micro_batches(), dtype)[0])
+    for max_norm in (100.0 * true_norm, 0.3 * true_norm):  # a bound far above the gradients' norm, then one that clips
+        loss, seen, scaler, optimizer = _spied_run(accumulation_step, _small_model(), _micro_batches(), max_norm,
                                                    device_type="cpu", dtype=dtype, lr=lr, junk=float("nan"))
         _check_autocast(seen, "cpu", dtype, dtype)
         _check_no_host_reads(seen, "your accumulation step")
         _check_accumulation_calls(scaler, optimizer, k)
-        _check_accumulated_grads(scaler.grads_at_step, clipped, mean_grads, micro, dtype, max_norm, scaler.scale_value)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise Wrong(f"return the mean loss as a one-element tensor, got {type(loss).__name__}")
-        if math.isclose(loss.float().item(), k * mean_loss.item(), rel_tol=1e-2):
-            raise Wrong(f"you returned the sum of the {k} micro-batches' losses: return their mean")
-        expect_close(loss.detach().float(), mean_loss.item(), rel=1e-2, what="the returned mean loss")
-    _check_dtype_and_device(accumulation_step, lambda where: ([(x.to(where), y.to(where)) for x, y in micro], 1e6))
-    _check_with_a_real_scaler(accumulation_step, micro, true_norm)
+        _check_accumulated_grads(scaler.grads_at_step, _micro_batches(), dtype, max_norm, scaler.scale_value)
+        _check_mean_loss(loss, _micro_batches(), dtype)
+    _check_dtype_and_device(accumulation_step, lambda where: ([(x.to(where), y.to(where)) for x, y in _micro_batches()],
+                                                              1e6))
+    _check_with_a_real_scaler(accumulation_step, _micro_batches(), true_norm)
     return (f"{k} scaled backward passes, one unscale_, the true gradients clipped, one scaler.step and one update, "
             "no value read back: AMP with accumulation and clipping. (Without a GPU this check sees what your code "
             "does, not how long a GPU would wait.)")
+
+
+def _check_mean_loss(loss, micro: list, dtype) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise Wrong(f"return the mean loss as a one-element tensor, got {type(loss).__name__}")
+    k, got = len(micro), loss.detach().float().item()
+    mean_loss = _reference_grads(_small_model(), micro, dtype)[1].item()
+    last_loss = _reference_grads(_small_model(), micro[-1:], dtype)[1].item()
+    for value, why in ((k * mean_loss, f"you returned the sum of the {k} micro-batches' losses: return their mean"),
+                       (mean_loss / k, "you returned the mean of `loss / k`: keep the undivided losses for the mean"),
+                       (last_loss, "you returned the last micro-batch's loss: return the mean over all of them")):
+        if math.isclose(got, value, rel_tol=1e-2) and not math.isclose(got, mean_loss, rel_tol=1e-2):
+            raise Wrong(why)
+    expect_close(loss.detach().float(), mean_loss, rel=1e-2, what="the returned mean loss")
 
 
 def _check_accumulation_calls(scaler, optimizer, k: int) -> None:
@@ -393,10 +442,12 @@ def _check_accumulation_calls(scaler, optimizer, k: int) -> None:
                     "after it stay scaled. Unscale once, after the loop, right before clipping")
 
 
-def _check_accumulated_grads(grads, clipped, mean_grads, micro, dtype, max_norm, scale) -> None:
+def _check_accumulated_grads(grads, micro, dtype, max_norm, scale) -> None:
     k = len(micro)
     if grads is None or any(g is None for g in grads):
         raise Wrong("some weights had no gradient at the optimizer step: backward every micro-batch's scaled loss")
+    mean_grads = _reference_grads(_small_model(), micro, dtype)[0]  # computed only now: nothing to find before
+    clipped = [g * min(1.0, max_norm / (_norm(mean_grads) + 1e-6)) for g in mean_grads]
     if _close(grads, clipped):
         return
     if any(g.isnan().any() for g in grads):  # the check filled the old gradients with NaN
@@ -456,7 +507,7 @@ def accumulation_step(model, optimizer, scaler, micro_batches, max_norm, device_
     losses = []
     for x, y in micro_batches:
         with torch.autocast(device_type, dtype=dtype):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y)
         scaler.scale(loss / k).backward()   # the gradients add up: / k makes them the mean's
         losses.append(loss.detach())        # no .item(): no wait for the GPU
     scaler.unscale_(optimizer)              # the true gradients, before anything looks at their size
