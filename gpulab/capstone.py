@@ -7,6 +7,7 @@ contrasted at random, with noise and a faint pattern of another class mixed in. 
 per-sample CPU augmentation people write first. The speed-ups themselves are written out in lesson 08.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,15 @@ class AugmentedImages(Dataset):
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
     """uint8 images (on any device) to normalised float32, as AugmentedImages does."""
-    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    mean, std = _constants(images.device)
     return (images.float() / 255 - mean) / std
+
+
+@functools.cache
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """MEAN and STD as (1, 3, 1, 1) tensors on ``device``, made once: building them per batch would copy them from
+    the host, and wait for the device, every step."""
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
 
 
 @torch.no_grad()

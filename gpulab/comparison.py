@@ -16,7 +16,7 @@ elsewhere (a training run's epochs, whole processes).
 import math
 import statistics
 import timeit
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,8 @@ class Comparison:
     min_effect: float = 0.02
     confidence: float = 0.9
     caveats: tuple[str, ...] = ()
+    baseline_warmup: tuple[float, ...] = ()  # seconds of each warm-up call (compilation, caches, workers starting)
+    candidate_warmup: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, baseline_times, candidate_times, *, labels=("baseline", "candidate"), min_effect: float = 0.02,
@@ -145,17 +147,22 @@ def _coverage(n: int, k: int) -> float:
     return max(0.0, 1 - 2 * below)
 
 
-def compare(baseline, candidate, *, labels=None, pairs: int | None = None, min_time: float = 1.0, warmup: int = 1,
-            threads: int | None = None, device=None, min_effect: float = 0.02, confidence: float = 0.9) -> Comparison:
+def compare(baseline, candidate, *, labels=None, pairs: int | None = None, number: int | None = None,
+            min_time: float = 1.0, warmup: int = 1, threads: int | None = None, device=None, min_effect: float = 0.02,
+            confidence: float = 0.9) -> Comparison:
     """Time ``baseline()`` and ``candidate()`` interleaved; how many times faster the candidate is.
 
-    Both are called ``warmup`` times first. Each pair then times a block of back-to-back calls of each, the
-    blocks long enough that reading the clock costs nothing, in alternating order. With ``pairs=N``, exactly N
-    pairs; by default as many as fit in about ``min_time`` seconds, at least 6. The clock waits for the GPU.
+    Both are called ``warmup`` times first, each call timed on its own (``Comparison.baseline_warmup``: what a
+    first call costs). Each pair then times a block of back-to-back calls of each, in alternating order: blocks
+    long enough that reading the clock costs nothing, or ``number`` calls each (``number=1``: one call per run,
+    e.g. one epoch of a training generator, with exactly ``warmup + pairs`` calls of each). With ``pairs=N``,
+    exactly N pairs; by default as many as fit in about ``min_time`` seconds, at least 6. The clock waits for
+    the GPU.
     """
     labels = labels or (_name(baseline, "baseline"), _name(candidate, "candidate"))
-    if pairs is not None and (isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1):
-        raise ValueError(f"pairs must be a positive whole number such as pairs=8, got {pairs!r}")
+    for name, value in (("pairs", pairs), ("number", number)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive whole number such as {name}=8, got {value!r}")
     if not (callable(baseline) and callable(candidate)):
         raise TypeError("compare() needs two functions to call; wrap expressions in lambdas: "
                         "compare(lambda: a @ b, lambda: a.half() @ b.half())")
@@ -166,10 +173,9 @@ def compare(baseline, candidate, *, labels=None, pairs: int | None = None, min_t
     torch.set_num_threads(threads)
     before = conditions.snapshot(device)
     try:
-        for timer in timers:
-            timer.timeit(warmup)
+        warm = [tuple(timer.timeit(1) for _ in range(warmup)) for timer in timers]
         target = min_time / (2 * (pairs or MIN_PAIRS * 2))
-        calls = [calls_per_run(timer, target) for timer in timers]
+        calls = [number] * 2 if number else [calls_per_run(timer, target) for timer in timers]
         times, spent = ([], []), 0.0
         while len(times[0]) < (pairs or MAX_PAIRS):
             if pairs is None and len(times[0]) >= MIN_PAIRS and spent >= min_time:
@@ -181,8 +187,9 @@ def compare(baseline, candidate, *, labels=None, pairs: int | None = None, min_t
     finally:
         torch.set_num_threads(previous)
     state = conditions.during(before, conditions.snapshot(device))
-    return Comparison.of(*times, labels=labels, min_effect=min_effect, confidence=confidence,
-                         caveats=state.caveats())
+    comparison = Comparison.of(*times, labels=labels, min_effect=min_effect, confidence=confidence,
+                               caveats=state.caveats())
+    return replace(comparison, baseline_warmup=warm[0], candidate_warmup=warm[1])
 
 
 def _name(fn, default: str) -> str:

@@ -109,3 +109,17 @@ def test_compare_refuses_what_it_cannot_call():
         compare(1, lambda: None)
     with pytest.raises(ValueError, match="pairs must be"):
         compare(lambda: None, lambda: None, pairs=0)
+    with pytest.raises(ValueError, match="number must be"):
+        compare(lambda: None, lambda: None, number=0.5)
+
+
+def test_one_call_per_run_makes_exactly_warmup_plus_pairs_calls_and_times_the_warmup(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(comparison, "synced_clock", clock)
+    epochs = {"a": iter([5.0, 1.0, 1.1, 0.9, 1.0, 1.0, 1.0]), "b": iter([9.0] + [0.5] * 6)}  # first epochs: start-up
+    c = compare(lambda: clock.spend(next(epochs["a"])), lambda: clock.spend(next(epochs["b"])), number=1, warmup=1,
+                pairs=6, labels=("a", "b"))
+    assert c.pairs == 6 and c.baseline_warmup == (5.0,) and c.candidate_warmup == (9.0,)
+    assert c.speedup == pytest.approx(2.0) and c.verdict == FASTER  # start-up is not in the pairs
+    with pytest.raises(StopIteration):  # every epoch of both was used, none more
+        next(epochs["a"])
