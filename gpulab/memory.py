@@ -126,8 +126,14 @@ _ALLOCATED = {"alloc": 1, "free_completed": -1}
 _RESERVED = {"segment_alloc": 1, "segment_free": -1, "segment_map": 1, "segment_unmap": -1}
 
 
-def record_history(max_entries: int = 100_000, device=None) -> bool:
-    """Start recording the CUDA allocator's history: ``torch.cuda.memory._record_memory_history(max_entries=...)``.
+def record_history(max_entries: int = 100_000, device=None, *, context: str | None = "all",
+                   stacks: str = "python") -> bool:
+    """Start recording the CUDA allocator's history: ``torch.cuda.memory._record_memory_history(max_entries=...,
+    context=..., stacks=...)``; lesson 05 writes that call out itself.
+
+    ``context`` says which events keep a stack trace ("all": allocs and frees, "alloc": allocs, "state": only what
+    is alive at the dump, None: none); ``stacks="python"`` keeps only Python frames. torch's default,
+    ``stacks="all"``, also records C++ frames, and symbolizing them can make ``_dump_snapshot`` take minutes.
 
     True when recording started. Where there is no CUDA device (torch raises there) it says so and returns
     False, so a lesson carries on. Stop with ``torch.cuda.memory._record_memory_history(enabled=None)``.
@@ -137,7 +143,7 @@ def record_history(max_entries: int = 100_000, device=None) -> bool:
         print("No CUDA device here: only the CUDA caching allocator records a memory history. Carrying on without one.")
         return False
     try:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, context=context, stacks=stacks)
     except RuntimeError as err:  # e.g. an allocator backend that keeps no history (cudaMallocAsync)
         print(f"This allocator cannot record a memory history ({err}). Carrying on without one.")
         return False
@@ -165,14 +171,16 @@ def snapshot_timeline(snapshot: dict, device: int = 0) -> pd.DataFrame:
     and reserved after it (``MemoryTracker.timeline()``'s columns, plus ``reserved``).
 
     The trace keeps only the last ``max_entries`` events, so the totals start from the state before the first
-    event kept: the state at the snapshot (its segments) minus every change the trace records.
+    event kept: the state at the snapshot (its segments) minus every change the trace records. The trace counts
+    the bytes each tensor asked for (``requested_size``), not the rounded-up block (``size``, which a segment's
+    ``allocated_size`` adds up), so the state at the snapshot is counted the same way: see ``live_bytes``.
     """
     traces = _device_traces(snapshot)
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(traces):
         raise SnapshotError(f"device must be one of the snapshot's devices, 0 to {len(traces) - 1}; got {device!r}")
     entries = traces[device]
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
-    allocated = sum(s.get("allocated_size", 0) for s in segments)
+    allocated = live_bytes(segments)
     reserved = sum(s.get("total_size", 0) for s in segments)
     allocated -= sum(_ALLOCATED.get(e["action"], 0) * e.get("size", 0) for e in entries)
     reserved -= sum(_RESERVED.get(e["action"], 0) * e.get("size", 0) for e in entries)
@@ -184,6 +192,27 @@ def snapshot_timeline(snapshot: dict, device: int = 0) -> pd.DataFrame:
         frames = entry.get("frames") or [{}]
         rows.append((event, "", entry["action"], frames[0].get("name", ""), size, allocated, reserved))
     return pd.DataFrame(rows, columns=[*TIMELINE_COLUMNS, "reserved"])
+
+
+# A block still handed to a tensor: in use, or freed on one stream while another may still use it (its trace has
+# free_requested but not yet free_completed, so the timeline still counts it).
+_LIVE_STATES = ("active_allocated", "active_awaiting_free")
+
+
+def live_bytes(segments) -> int:
+    """Bytes that tensors asked for and still hold in these snapshot segments: the ``requested_size`` of each live
+    block, as the trace's alloc and free entries count them. A block's ``size`` (and a segment's
+    ``allocated_size``) is rounded up by the allocator, to 512 bytes or more; a segment without ``blocks`` (an
+    older snapshot) counts its ``allocated_size``."""
+    total = 0
+    for segment in segments:
+        if "blocks" not in segment:
+            total += segment.get("allocated_size", 0)
+            continue
+        for block in segment["blocks"]:
+            if block.get("state") in _LIVE_STATES:
+                total += block.get("requested_size", block.get("size", 0))
+    return total
 
 
 def _device_traces(snapshot, path: Path | None = None) -> list:

@@ -1,18 +1,28 @@
 """gpulab.memory: the tracker's timeline and phases, snapshots read offline, clear errors for misuse, and the
 memory plots of lesson 05."""
 
+import contextlib
+import io
+import math
 import pickle
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib
 
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import nbformat  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import gpulab  # noqa: E402
 from gpulab import memory, models, plots  # noqa: E402
 from gpulab.device import DeviceError  # noqa: E402
 from gpulab.memory import MemoryTracker, SnapshotError, TrackerError  # noqa: E402
@@ -99,33 +109,102 @@ def test_mark_works_again_in_a_nested_block():
 
 # ----- snapshots, read offline ----------------------------------------------------------------------
 
-def _entry(action, size, name="fn"):
-    return {"action": action, "addr": 0, "size": size, "stream": 0, "frames": [{"name": name, "filename": "x.py",
-                                                                                   "line": 1}]}
+def _frames(name):
+    return [{"name": name, "filename": "train.py", "line": 1}]
+
+
+def _trace_entry(action, addr, size, name="fn"):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": _frames(name)}
+
+
+def _rounded(nbytes):
+    """A block's size as the caching allocator hands it out: at least 512 bytes, a multiple of 512."""
+    return max(512, -(-nbytes // 512) * 512)
+
+
+class RecordedAllocator:
+    """Builds what ``torch.cuda.memory._snapshot()`` returns, with the field names of torch/cuda/memory.py's
+    Segment, Block and TraceEntry: one segment whose blocks are rounded up to 512 bytes (``size``) and remember the
+    bytes asked for (``requested_size``), and a trace whose alloc and free entries carry the bytes asked for, as
+    CUDACachingAllocator.cpp records them (``orig_size`` at alloc, ``block->requested_size`` at free)."""
+
+    def __init__(self, segment_size=20 * MiB):
+        self.segment_size = segment_size
+        self.trace = [_trace_entry("segment_alloc", 0, segment_size)]
+        self.blocks = {}  # address -> requested bytes, state, name
+        self.next_address = 0
+
+    def alloc(self, requested, name="fn"):
+        address, self.next_address = self.next_address, self.next_address + _rounded(requested)
+        self.blocks[address] = {"requested": requested, "state": "active_allocated", "name": name}
+        self.trace.append(_trace_entry("alloc", address, requested, name))
+        return address
+
+    def free(self, address, *, completed=True):
+        """free_requested, then free_completed; without it the block waits for another stream (active_awaiting_free)."""
+        block = self.blocks[address]
+        self.trace.append(_trace_entry("free_requested", address, block["requested"], block["name"]))
+        if completed:
+            self.trace.append(_trace_entry("free_completed", address, block["requested"], block["name"]))
+        block["state"] = "inactive" if completed else "active_awaiting_free"
+
+    def snapshot(self):
+        blocks = [{"address": address, "size": _rounded(b["requested"]), "requested_size": b["requested"],
+                   "state": b["state"], "frames": _frames(b["name"])} for address, b in sorted(self.blocks.items())]
+        blocks.append({"address": self.next_address, "size": self.segment_size - self.next_address,
+                       "requested_size": 0, "state": "inactive", "frames": []})
+        live = [b["size"] for b in blocks if b["state"] == "active_allocated"]
+        active = [b["size"] for b in blocks if b["state"] != "inactive"]
+        segment = {"device": 0, "address": 0, "total_size": self.segment_size, "stream": 0, "segment_type": "large",
+                   "segment_pool_id": (0, 0), "allocated_size": sum(live), "active_size": sum(active), "blocks": blocks}
+        return {"segments": [segment], "device_traces": [list(self.trace)]}
+
+
+# Requested sizes that are no multiple of 512, as real tensors' often are: the rounding must not leak into the timeline.
+A, B, C = 4 * MiB + 100, 4 * MiB, 2 * MiB + 1
 
 
 def fake_snapshot():
-    """A snapshot as torch.cuda.memory._snapshot() gives it: 20 MiB reserved, 6 MiB allocated at the end."""
-    trace = [_entry("segment_alloc", 20 * MiB), _entry("alloc", 4 * MiB, "forward"), _entry("alloc", 4 * MiB),
-             _entry("free_requested", 4 * MiB), _entry("free_completed", 4 * MiB), _entry("alloc", 2 * MiB)]
-    segments = [{"device": 0, "address": 0, "total_size": 20 * MiB, "allocated_size": 6 * MiB, "blocks": []}]
-    return {"segments": segments, "device_traces": [trace]}
+    """20 MiB reserved; A and B allocated, B freed, C allocated and freed on a stream that may still use it."""
+    allocator = RecordedAllocator()
+    a = allocator.alloc(A, "forward")
+    b = allocator.alloc(B)
+    allocator.free(b)
+    c = allocator.alloc(C)
+    allocator.free(c, completed=False)
+    assert a == 0
+    return allocator.snapshot()
 
 
 def test_snapshot_timeline_counts_allocated_and_reserved():
     events = memory.snapshot_timeline(fake_snapshot())
     assert list(events.columns) == [*memory.TIMELINE_COLUMNS, "reserved"]
-    assert (events["allocated"] / MiB).tolist() == [0, 4, 8, 8, 4, 6]
-    assert (events["reserved"] / MiB).tolist() == [20] * 6
+    assert events["action"].tolist() == ["segment_alloc", "alloc", "alloc", "free_requested", "free_completed", "alloc",
+                                         "free_requested"]
+    assert events["allocated"].tolist() == [0, A, A + B, A + B, A, A + C, A + C]
+    assert (events["reserved"] / MiB).tolist() == [20] * 7
     assert events["op"].iloc[1] == "forward"
+
+
+def test_snapshot_timeline_starts_from_the_requested_bytes_of_live_blocks_not_their_rounded_size():
+    snapshot = fake_snapshot()
+    segment = snapshot["segments"][0]
+    assert segment["allocated_size"] == _rounded(A) != A  # the allocator's rounding: what a segment adds up
+    assert memory.live_bytes(snapshot["segments"]) == A + C  # what the trace's sizes add up to
+    events = memory.snapshot_timeline(snapshot)
+    assert events["allocated"].iloc[0] == 0 and events["allocated"].min() == 0  # a whole history starts from nothing
 
 
 def test_snapshot_timeline_of_a_truncated_history_starts_from_the_state_before_it():
     snapshot = fake_snapshot()
     snapshot["device_traces"][0] = snapshot["device_traces"][0][2:]  # max_entries dropped the oldest two
     events = memory.snapshot_timeline(snapshot)
-    assert (events["allocated"] / MiB).tolist() == [8, 8, 4, 6]
-    assert (events["reserved"] / MiB).tolist() == [20] * 4
+    assert events["allocated"].tolist() == [A + B, A + B, A, A + C, A + C]
+    assert (events["reserved"] / MiB).tolist() == [20] * 5
+
+
+def test_live_bytes_of_an_older_snapshot_without_blocks_reads_allocated_size():
+    assert memory.live_bytes([{"total_size": 20 * MiB, "allocated_size": 6 * MiB}]) == 6 * MiB
 
 
 def test_load_snapshot_reads_what_dump_snapshot_wrote(tmp_path):
@@ -160,6 +239,15 @@ def test_recording_history_without_cuda_says_so_and_carries_on(capsys):
         pytest.skip("there is a CUDA device here")
     assert memory.record_history(device="cpu") is False
     assert "No CUDA device here" in capsys.readouterr().out
+
+
+def test_record_history_keeps_python_stacks_only(monkeypatch):
+    """torch's default, stacks="all", symbolizes C++ frames when the snapshot is written: minutes, not seconds."""
+    calls = []
+    monkeypatch.setattr(memory, "get_device", lambda device=None: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw)))
+    assert memory.record_history(max_entries=10) is True
+    assert calls == [((), {"max_entries": 10, "context": "all", "stacks": "python"})]
 
 
 def test_a_device_that_does_not_exist_is_a_clear_error():
@@ -236,3 +324,252 @@ def test_tradeoff_and_relative_bars():
                              baseline="none")
     texts = [t.get_text() for t in ax.texts]
     assert " 0.40× (40)" in texts and " 1.30× (13)" in texts and texts.count(" 1.00× (100)") == 1
+
+
+# ----- lesson 05's GPU path and its timing verdicts, run on the CPU -----------------------------------------
+# The lesson's cells are executed here as the notebook runs them, with fakes standing in for what needs a GPU
+# (the allocator's history, a fragmentation run) or for the clock (comparisons whose verdict is known).
+
+LESSON = Path(__file__).resolve().parents[1] / "notebooks" / "05_memory.ipynb"
+
+
+def lesson_cell(marker: str) -> str:
+    """The source of the one code cell of lesson 05 that contains ``marker``."""
+    cells = [c.source for c in nbformat.read(LESSON, as_version=4).cells if c.cell_type == "code" and marker in c.source]
+    assert len(cells) == 1, f"{len(cells)} code cells of {LESSON.name} contain {marker!r}"
+    return cells[0]
+
+
+def run_cell(marker: str, scope: dict) -> dict:
+    exec(compile(lesson_cell(marker), f"<05_memory: {marker}>", "exec"), scope)
+    return scope
+
+
+@pytest.fixture
+def lesson(results_dir):
+    """The lesson's namespace after its imports and section 1's measuring functions, on this CPU."""
+    scope = {"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}
+    run_cell("import contextlib", scope)
+    return run_cell("def measuring():", scope)
+
+
+def _overlap(a, b, slack=1.0) -> bool:
+    return a.x0 + slack < b.x1 and b.x0 + slack < a.x1 and a.y0 + slack < b.y1 and b.y0 + slack < a.y1
+
+
+def _along_and_across(text, renderer):
+    """A label rotated by 0-90°, as its extent along its baseline and across it: (u0, u1, v0, v1) in pixels. The
+    corner it starts from lies h·sin θ right of its upright bounding box's left edge, on that box's bottom."""
+    box, angle = text.get_window_extent(renderer), math.radians(text.get_rotation())
+    rotation = text.get_rotation()
+    text.set_rotation(0)
+    upright = text.get_window_extent(renderer)
+    text.set_rotation(rotation)
+    x, y = box.x0 + upright.height * math.sin(angle), box.y0
+    u, v = x * math.cos(angle) + y * math.sin(angle), -x * math.sin(angle) + y * math.cos(angle)
+    return u, u + upright.width, v, v + upright.height
+
+
+def _labels_overlap(a, b, renderer, slack=1.0) -> bool:
+    if a.get_rotation() == b.get_rotation() and 0 < a.get_rotation() < 90:  # compare them along their own baseline
+        (au0, au1, av0, av1), (bu0, bu1, bv0, bv1) = (_along_and_across(t, renderer) for t in (a, b))
+        return au0 + slack < bu1 and bu0 + slack < au1 and av0 + slack < bv1 and bv0 + slack < av1
+    return _overlap(a.get_window_extent(renderer), b.get_window_extent(renderer), slack)
+
+
+def assert_labels_clear(ax, *, inside=True):
+    """No label covers another label or a bar, and (``inside``) every label lies within the axes."""
+    renderer = ax.figure.canvas.get_renderer()
+    texts = [t for t in ax.texts if t.get_text().strip()]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, text in enumerate(texts):
+        for other in texts[i + 1:]:
+            assert not _labels_overlap(text, other, renderer), f"label {text.get_text()!r} covers {other.get_text()!r}"
+    if not inside:
+        return
+    frame = ax.get_window_extent(renderer)
+    bars = [p.get_window_extent(renderer) for p in ax.patches
+            if isinstance(p, Rectangle) and p.get_width() and p.get_height()]
+    for text, box in zip(texts, boxes):
+        assert frame.x0 - 1 <= box.x0 and box.x1 <= frame.x1 + 1, f"label {text.get_text()!r} leaves the axes"
+        assert not any(_overlap(box, bar) for bar in bars), f"label {text.get_text()!r} covers a bar"
+
+
+class OperatorLog(TorchDispatchMode):
+    """Every operator that runs, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_section_1_warms_up_with_every_operator_its_measurement_runs(lesson, capsys):
+    """Libraries allocate at the first call of an operator (cuBLASLt: at the first nn.Linear's addmm, not at a plain
+    matmul); a warm-up that misses one leaves that memory inside section 1's measurement."""
+    run_cell("def predict(", lesson)
+    lesson.update(width=32, depth=3, batch_size=4)  # the same code at a size this test runs in no time
+    log, measurement_starts = OperatorLog(), []
+    measuring = lesson["measuring"]
+
+    def noted_measuring():
+        measurement_starts.append(len(log.ops))
+        return measuring()
+
+    lesson["measuring"] = noted_measuring
+    with log:
+        run_cell("def first_step_phases", lesson)
+    assert measurement_starts, "section 1 measured nothing"
+    warm, measured = set(log.ops[:measurement_starts[0]]), set(log.ops[measurement_starts[0]:])
+    assert measured <= warm, f"not warmed up before the measurement: {sorted(measured - warm)}"
+
+
+def test_snapshot_cell_records_python_stacks_and_draws_the_allocators_timeline(lesson, monkeypatch, capsys):
+    calls, snapshot = [], fake_snapshot()
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(pickle.dumps(snapshot)))
+    lesson.update(on_gpu=True, device=torch.device("cuda", 0), make_step=lambda k: (lambda: None))
+    run_cell("_record_memory_history(", lesson)
+    assert calls[0][1]["stacks"] == "python" and calls[0][1]["context"] == "all"
+    assert calls[-1] == ((), {"enabled": None})  # recording stopped
+    lines = {line.get_label(): line.get_ydata() for line in plt.gcf().axes[0].get_lines()}
+    assert lines["allocated"][0] == 0 and lines["allocated"][-1] * MiB == A + C
+    assert "written in" in capsys.readouterr().out
+
+
+def test_snapshot_cell_without_a_gpu_says_so(lesson, capsys):
+    run_cell("_record_memory_history(", lesson)
+    assert "No GPU here" in capsys.readouterr().out
+
+
+class _FakeAllocator:
+    """Just enough of torch for lesson 05's fragmentation script: a caching allocator within a memory budget whose
+    free memory, after the script's frees, lies in 20 MiB holes. A request larger than every hole needs new memory;
+    with the budget fully reserved it frees its cache and retries: the default allocator cannot give back a segment
+    that still holds tensors (out of memory), expandable segments unmap the holes' pages and map the request."""
+
+    TOTAL = 80 * 2**30
+    OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+    uint8 = "uint8"
+
+    def __init__(self, expandable: bool):
+        self.expandable, self.allocated, self.reserved, self.retries, self.budget = expandable, 0, 0, 0, self.TOTAL
+        self.cuda = self
+
+    def device(self, kind, index):
+        return (kind, index)
+
+    def set_per_process_memory_fraction(self, fraction, device):
+        self.budget = fraction * self.TOTAL
+
+    def get_device_properties(self, device):
+        return SimpleNamespace(total_memory=self.TOTAL)
+
+    def empty(self, nbytes, dtype=None, device=None):
+        hole = self.reserved if self.allocated == 0 else 20 * MiB  # the script's tensors are 20 MiB each
+        if not (nbytes <= self.reserved - self.allocated and nbytes <= hole):  # not served from the cache
+            if self.reserved + nbytes <= self.budget:
+                self.reserved += nbytes
+            else:
+                self.retries += 1
+                if not self.expandable:
+                    raise self.OutOfMemoryError(f"tried to allocate {nbytes} bytes")
+                self.reserved = self.allocated + nbytes
+        self.allocated += nbytes
+        return _FakeTensor(self, nbytes)
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def memory_reserved(self, device):
+        return self.reserved
+
+    def memory_stats(self, device):
+        return {"num_alloc_retries": self.retries}
+
+    def memory_snapshot(self):
+        return [{"is_expandable": self.expandable}]
+
+
+class _FakeTensor:
+    def __init__(self, allocator, nbytes):
+        self.allocator, self.nbytes = allocator, nbytes
+
+    def __del__(self):
+        self.allocator.allocated -= self.nbytes
+
+
+def test_fragmentation_shows_how_each_allocator_answered_the_request(lesson, monkeypatch, capsys, tmp_path):
+    """Before the 64 MiB request both allocators hold the same bytes; the chart must show the state after it."""
+    script = lesson_cell("%%writefile").split("\n", 1)[1]
+
+    def run(args, env, **kwargs):  # the script, run in this process with the fake allocator as torch
+        fake = _FakeAllocator(expandable="expandable_segments:True" in env.get("PYTORCH_ALLOC_CONF", ""))
+        out = io.StringIO()
+        with monkeypatch.context() as m, contextlib.redirect_stdout(out):
+            m.setitem(sys.modules, "torch", fake)
+            m.setattr(sys, "argv", [str(a) for a in args[1:]])
+            exec(compile(script, "05_fragmentation.py", "exec"), {"__name__": "__main__"})
+        return SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")
+
+    lesson.update(on_gpu=True, device=torch.device("cuda", 0), subprocess=SimpleNamespace(run=run),
+                  fragmentation_script=tmp_path / "05_fragmentation.py")
+    run_cell("fragmentation_log = gpulab.ResultLog", lesson)
+    out = capsys.readouterr().out
+    assert "default: 13 tensors of 20 MiB kept" in out and "does NOT fit (out of memory) after 1 retry" in out
+    assert "expandable segments: 13 tensors of 20 MiB kept" in out and "fits after 1 retry" in out
+    ax = plt.gcf().axes[0]
+    bars = [t.get_text() for t in ax.get_yticklabels()]
+    assert bars == ["default, before the request", "default, after it", "expandable segments, before the request",
+                    "expandable segments, after it"]
+    allocated = [p.get_width() for p in ax.containers[0]]
+    assert allocated[0] == allocated[1] == allocated[2] == 260  # the same 13 tensors of 20 MiB kept ...
+    assert allocated[3] == 260 + 64  # ... until expandable segments mapped the 64 MiB tensor
+    frame = lesson["frag"]
+    assert frame["alloc_retries"].tolist() == [1, 1] and frame["large_fits"].tolist() == [False, True]
+
+
+def _comparisons_of(ratios):
+    """A stand-in for gpulab.compare that runs each step once (its warm-up) and returns pairs with these ratios."""
+    def compare(baseline, candidate, *, labels, **kwargs):
+        baseline(), candidate()
+        return gpulab.Comparison.of([1.0] * len(ratios), [1 / r for r in ratios], labels=labels)
+    return compare
+
+
+WITHIN_NOISE = [0.8, 1.25, 0.9, 1.1, 1.0, 0.95, 1.05, 0.85]
+SLOWER = [0.7, 0.72, 0.75, 0.74, 0.71, 0.73, 0.76, 0.7]
+
+
+@pytest.mark.parametrize("ratios, verdict", [(WITHIN_NOISE, "within noise"), (SLOWER, "slower")])
+def test_checkpointing_and_remedies_print_only_the_verdicts_their_pairs_support(lesson, monkeypatch, capsys, ratios,
+                                                                                 verdict):
+    monkeypatch.setattr(gpulab, "compare", _comparisons_of(ratios))
+    run_cell("ckpt_width, ckpt_depth =", lesson)
+    checkpointing = capsys.readouterr().out.splitlines()
+    run_cell("def remedy_step", lesson)
+    remedies = capsys.readouterr().out.splitlines()
+    for section, expected in ((checkpointing, 4), (remedies, 6)):
+        timed = [line for line in section if " vs " in line]
+        assert len(timed) == expected and all(f"×, {verdict} (" in line for line in timed), timed
+        others = {"faster", "slower", "within noise"} - {verdict}
+        assert not any(word in line for line in section for word in others), section
+    axes = [ax for number in plt.get_fignums() for ax in plt.figure(number).axes]
+    assert len(axes) == 4  # section 4: peaks and speed-ups; section 9: memory and speed-ups
+    for ax in axes:
+        assert_labels_clear(ax)
+    speed_bars = [p.get_facecolor() for p in plt.figure(plt.get_fignums()[-1]).axes[1].patches]
+    grey, red = matplotlib.colors.to_rgba("0.6"), matplotlib.colors.to_rgba("tab:red")
+    assert set(speed_bars) == {grey if verdict == "within noise" else red}
+
+
+def test_tracker_timeline_phase_names_stand_apart(lesson, monkeypatch, capsys):
+    monkeypatch.setattr(gpulab, "compare", _comparisons_of(WITHIN_NOISE))
+    run_cell("ckpt_width, ckpt_depth =", lesson)
+    plt.close("all")
+    run_cell("recorder = memory.MemoryTracker(record=True)", lesson)
+    assert_labels_clear(plt.gcf().axes[0], inside=False)
