@@ -1,0 +1,181 @@
+"""Lesson 07's cells and scripts on machines this one is not: its GPU paths run here with torch's GPU count and
+launcher faked (a one-GPU machine in full mode, three GPUs, a node of a two-node job), so that what they would do
+there is checked on a CPU. What only a GPU can show is marked ``gpu`` and skipped here with the reason."""
+
+import textwrap
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpulab import distributed
+
+from .conftest import ROOT
+
+NOTEBOOK = ROOT / "notebooks" / "07_multi_gpu.ipynb"
+
+
+class Stop(Exception):
+    """Raised by a fake to end a cell or script at the point a test looks at."""
+
+
+def cell(cell_id: str) -> str:
+    """The source of one of the notebook's cells; of a %%writefile cell, the script it writes."""
+    source = next(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.get("id") == cell_id)
+    return source.split("\n", 1)[1] if source.startswith("%%writefile") else source
+
+
+SETUP, HELLO, COLLECTIVES, DDP_LAUNCH, DATA_PARALLEL, FSDP_SCRIPT, FSDP_LAUNCH = (
+    "2d23945e", "9c7d0527", "5fc35b8f", "25f8ea10", "6c156b9b", "3e9dda2f", "fea3e6c6")
+
+
+@pytest.fixture
+def machine(monkeypatch, results_dir):
+    """Run the setup cell as if torch saw ``gpus`` GPUs; returns the cell's variables."""
+    def setup(gpus: int, *, full: bool = False) -> dict:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setenv("GPULAB_QUICK", "0" if full else "1")
+        scope = {"__name__": "__main__"}
+        exec(cell(SETUP), scope)
+        return scope
+    return setup
+
+
+def launches(scope: dict, cell_id: str, stop_after: int = 99) -> list[dict]:
+    """The torchrun launches a cell makes (script, arguments, nproc), with torchrun faked: each returns a run
+    with no rows, and the cell is stopped after ``stop_after`` launches or at its first use of the rows."""
+    calls = []
+
+    class FakeRun:
+        def raise_for_failure(self):
+            return self
+
+        def results(self, rank=0):
+            raise Stop
+
+    def fake_torchrun(script, *args, nproc=2, **kwargs):
+        calls.append({"script": script.name, "args": [str(a) for a in args], "nproc": nproc})
+        if len(calls) >= stop_after:
+            raise Stop
+        return FakeRun()
+
+    scope["distributed"] = type("FakeDistributed", (), {"torchrun": staticmethod(fake_torchrun),
+                                                         "work_size": staticmethod(distributed.work_size)})
+    try:
+        exec(cell(cell_id), scope)
+    except Stop:
+        pass
+    finally:
+        scope["distributed"] = distributed
+    return calls
+
+
+def argument(call: dict, name: str) -> str:
+    return call["args"][call["args"].index(name) + 1]
+
+
+# ----- sizes by backend: a one-GPU machine in full mode ------------------------------------------------------
+
+def test_on_one_gpu_in_full_mode_the_gloo_runs_get_cpu_sized_work(machine):
+    scope = machine(1, full=True)  # a Colab T4: one GPU, full mode, the multi-rank runs are gloo on the CPU
+    assert scope["backend_device"] == "cpu" and scope["ranks"] == [1, 2]
+    assert scope["size"] == distributed.CPU_WORK
+    gloo, nccl = launches(scope, DDP_LAUNCH, stop_after=2)
+    assert argument(gloo, "--device") == "cpu" and gloo["nproc"] == 2
+    assert int(argument(gloo, "--width")) == distributed.CPU_WORK.width
+    assert int(argument(gloo, "--batch")) == distributed.CPU_WORK.batch
+    # the one-rank NCCL run on the GPU itself keeps the GPU's sizes
+    assert argument(nccl, "--device") == "cuda" and nccl["nproc"] == 1
+    assert int(argument(nccl, "--width")) == distributed.GPU_WORK.width
+    (collectives,) = launches(scope, COLLECTIVES)
+    assert int(argument(collectives, "--max-bytes")) == distributed.CPU_WORK.max_bytes
+    (fsdp,) = launches(scope, FSDP_LAUNCH)
+    assert argument(fsdp, "--device") == "cpu" and int(argument(fsdp, "--width")) == distributed.CPU_WORK.width
+
+
+def test_on_several_gpus_in_full_mode_the_nccl_runs_get_gpu_sized_work(machine):
+    scope = machine(4, full=True)
+    assert scope["backend_device"] == "cuda" and scope["size"] == distributed.GPU_WORK
+    (ddp,) = launches(scope, DDP_LAUNCH)
+    assert int(argument(ddp, "--width")) == distributed.GPU_WORK.width and ddp["nproc"] == 4
+
+
+# ----- DataParallel on as many GPUs as DDP -------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpus", [2, 3, 5, 6, 7, 8])
+def test_data_parallel_uses_the_gpus_of_the_largest_ddp_run(machine, monkeypatch, gpus):
+    scope = machine(gpus)
+    (ddp,) = launches(scope, DDP_LAUNCH)
+    seen = {}
+
+    def fake_data_parallel(module, device_ids=None, *args, **kwargs):
+        seen["device_ids"] = device_ids
+        raise Stop
+
+    monkeypatch.setattr(torch.nn, "DataParallel", fake_data_parallel)
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    with pytest.raises(Stop):
+        exec(cell(DATA_PARALLEL), scope)
+    assert seen["device_ids"] is not None, "without device_ids DataParallel takes every visible GPU"
+    assert list(seen["device_ids"]) == list(range(ddp["nproc"])) and ddp["nproc"] == gpus
+
+
+# ----- hello.py: the backend from the GPUs of this node ----------------------------------------------------
+
+@pytest.mark.parametrize("gpus_here, local_world, world, local_rank, backend", [
+    (8, 8, 16, 1, "nccl"),  # a node of a two-node job: 8 GPUs for its 8 ranks, 16 ranks in all
+    (8, 8, 8, 3, "nccl"),
+    (1, 2, 2, 1, "gloo"),  # two ranks and one GPU: gloo on the CPU
+    (0, 2, 2, 0, "gloo"),
+])
+def test_hello_picks_nccl_when_this_node_has_a_gpu_per_local_rank(monkeypatch, gpus_here, local_world, world,
+                                                                   local_rank, backend):
+    chosen = {}
+
+    def fake_init(name, *args, **kwargs):
+        chosen["backend"] = name
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_here)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.setdefault("device", device))
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    for name, value in {"RANK": world - local_world + local_rank, "WORLD_SIZE": world, "LOCAL_RANK": local_rank,
+                        "LOCAL_WORLD_SIZE": local_world, "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(Stop):
+        exec(cell(HELLO), {"__name__": "__main__"})
+    assert chosen["backend"] == backend
+    if backend == "nccl":
+        assert chosen["device"] == torch.device("cuda", local_rank)
+
+
+# ----- FSDP's bytes: counted on a CPU, measured on a GPU ----------------------------------------------------
+
+def _fsdp_rows(tmp_path, device: str, nproc: int) -> dict:
+    script = tmp_path / "fsdp_bytes.py"
+    script.write_text(textwrap.dedent(cell(FSDP_SCRIPT)))
+    run = distributed.torchrun(script, "--device", device, "--width", 256, nproc=nproc, time_limit=120, echo=False,
+                               env={"OMP_NUM_THREADS": "1"})
+    assert run.ok, run.failure()
+    return {row["strategy"]: row for row in run.results()}
+
+
+def test_on_a_cpu_fsdp_bytes_are_called_counted_and_default_ddp_buckets_are_not_claimed(tmp_path):
+    rows = _fsdp_rows(tmp_path, "cpu", 2)
+    assert {row["source"] for row in rows.values()} == {"counted"}
+    count = rows["DDP"]["parameter_count"]
+    assert rows["DDP"]["buckets"] is None  # inside DDP's reducer: a count of tensors does not see them
+    view = rows["DDP, gradient_as_bucket_view"]
+    assert view["buckets"] == 4 * count and view["gradients"] == 0  # the gradients are views into the buckets
+    assert rows["FSDP"]["parameters"] == pytest.approx(4 * count / 2, rel=0.01)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_fsdp_and_ddp_bytes_are_measured_by_the_allocator(tmp_path):
+    rows = _fsdp_rows(tmp_path, "cuda", 1)
+    assert {row["source"] for row in rows.values()} == {"measured"}
+    count = rows["DDP"]["parameter_count"]
+    total = {s: sum(r[p] for p in ("parameters", "buckets", "gradients", "optimizer")) for s, r in rows.items()}
+    assert total["DDP"] == pytest.approx(20 * count, rel=0.05)  # the buckets: 4 bytes per parameter more
+    assert total["DDP, gradient_as_bucket_view"] == pytest.approx(16 * count, rel=0.05)
