@@ -1,16 +1,39 @@
-"""What the profiler recorded, as pandas DataFrames: operator tables, step timelines, GPU busy time per step.
+"""What the profiler recorded, as pandas DataFrames: operator and kernel tables, step timelines, GPU busy time per step.
 
 The lessons write ``torch.profiler`` out in their cells; this module only reads what it produced:
 
-- ``op_table(prof)``: ``prof.key_averages()`` as a DataFrame (times in ms), ``top_ops`` its largest rows;
+- ``op_table(prof)``: the CPU side of ``prof.key_averages()`` as a DataFrame (times in ms): one row per operator,
+  ``record_function`` range and CUDA runtime call; ``kernel_table(prof)``: its GPU side (one row per kernel, copy,
+  memset, and the GPU-side span of each range); ``top_ops`` the largest rows of either;
 - ``load_trace(path)``: a Chrome trace (``prof.export_chrome_trace``, ``.json`` or ``.json.gz``);
 - ``steps``, ``phase_times``, ``timeline_spans``: the ``ProfilerStep#N`` windows, the time in each
   ``record_function`` range per step, and the spans a timeline figure draws;
-- ``gpu_busy(trace)``: per step, the time at least one kernel ran (the union of kernel intervals) and the rest;
+- ``gpu_busy(trace)``: per step, the time the GPU ran anything (kernels, copies, memsets), the time it ran kernels,
+  and the rest (idle); ``temporal_breakdown``: the same over the whole trace, as HolisticTraceAnalysis splits it;
+- ``idle_breakdown``: the GPU's idle time per stream by cause (host wait, kernel wait, other), as HTA classifies it;
+- ``runtime_calls``: the CUDA runtime and driver calls in a trace (cudaLaunchKernel, cudaMalloc, ...), counted;
 - ``record`` / ``reference_trace``: a GPU trace from a full run, shipped with its provenance in
-  ``gpulab/reference/``;
-- ``hta_breakdown``: HolisticTraceAnalysis's temporal and idle-time breakdown of a GPU trace, and
-  ``idle_breakdown``: the same idle-time classification (host wait, kernel wait, other) done here.
+  ``gpulab/reference/``; ``hta_breakdown``: HolisticTraceAnalysis itself on a trace.
+
+How the numbers relate. A trace recorded on a GPU holds each ``ProfilerStep#N`` and ``record_function`` range twice:
+on the CPU (``user_annotation``) and as a GPU-side span over the kernels it launched (``gpu_user_annotation``);
+steps are the CPU-side ones only. The GPU is *busy* while a kernel, a copy or a memset runs (HTA's compute plus
+non-compute time) and *idle* otherwise (HTA's idle time); ``kernel_ms`` counts kernels alone, which is what NVML's
+"GPU utilisation" samples. ``temporal_breakdown`` and ``idle_breakdown`` agree with HTA (tests/test_traces_real_gpu.py
+checks it on real A100 and MI250 traces, with HTA itself), except where HTA does something that has a name:
+
+- HTA first rounds every event inward to whole microseconds (start up, end down; its workaround for events that
+  overlap by nanoseconds), which shortens each kernel by up to 1 µs and lengthens each gap by as much: on a trace of
+  many short kernels its idle time, kernel wait most, comes out larger. ``hta_rounding=True`` rounds the same way
+  here and gives HTA's numbers; ``hta_breakdown(..., exact=True)`` turns HTA's rounding off and gives gpulab's.
+- HTA's temporal breakdown counts every event with a ``stream`` argument as GPU time: CUDA synchronisation records
+  (``cuda_sync``: stream and context syncs, stream waits, when they are recorded), which are the host or a stream
+  *waiting*, and the CPU op that launches a Triton kernel; and it counts NCCL kernels as non-compute. gpulab counts
+  kernels (NCCL's too), copies and memsets.
+- Both mean to leave out GPU events the CPU queued after the last profiled step (code after the loop): gpulab does,
+  from the CPU side of the last ``ProfilerStep``. HTA 0.5 keeps them when it includes the last step (as
+  ``hta_breakdown`` runs it): it compares start times shifted to the trace's start with an end time it does not shift.
+  The lesson's traces end at the last ``prof.step()``, so they hold no such events.
 
 Bad input (an empty profile, a trace without GPU events, a missing or corrupt file) raises ``TraceError``
 with one line saying what to do.
@@ -19,8 +42,12 @@ with one line saying what to do.
 import gzip
 import json
 import logging
+import math
+import os
+import re
 import tempfile
 import warnings
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,9 +57,13 @@ from .mode import quick_mode
 from .results import REFERENCE_DIR, environment
 
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+DEVICE_SIDE_CATEGORIES = {*GPU_CATEGORIES, "gpu_user_annotation", "cuda_sync"}  # the GPU's rows of a trace
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the CPU's calls into the CUDA (or HIP) runtime and driver
 PHASES = ("data", "forward", "backward", "optimizer")
 STEP_PREFIX = "ProfilerStep#"
 _US_PER_MS = 1e3
+_RUNTIME_NAME = re.compile(r"^(cuda|cu[A-Z]|hip|hsa_)\w*$")  # cudaLaunchKernel, cuLaunchKernel, hipMemcpyWithStream
+_HTA_EXACT_ENV = "HTA_DISABLE_NS_ROUNDING"
 
 
 class TraceError(ValueError):
@@ -43,33 +74,73 @@ class NoDeviceEvents(TraceError):
     """The profile or trace holds no GPU events (recorded on a CPU, or without ProfilerActivity.CUDA)."""
 
 
-# ----- the operator table -----------------------------------------------------------------------------
+# ----- the operator and kernel tables -----------------------------------------------------------------
 
 
 def op_table(profile, *, group_by_input_shape: bool = False) -> pd.DataFrame:
-    """``profile.key_averages()`` as a DataFrame: one row per operator (and input shapes, when grouped).
+    """The CPU side of ``profile.key_averages()`` as a DataFrame: one row per operator, ``record_function`` range
+    and CUDA runtime call (and input shapes, when grouped).
 
-    Columns: operator, input_shapes, is_range (a ``record_function`` range or ``ProfilerStep*``), calls,
-    self_cpu_ms, cpu_total_ms, self_device_ms, device_total_ms, self_cpu_mem_mb, self_device_mem_mb.
+    Columns: operator, input_shapes, kind ("operator", "range" or "runtime"), is_range (a ``record_function`` range
+    or ``ProfilerStep*``), device_type ("CPU"), calls, self_cpu_ms, cpu_total_ms, self_device_ms (the time the
+    kernels this operator launched itself ran on the GPU), device_total_ms (with its children's kernels),
+    self_cpu_mem_mb, self_device_mem_mb. Each kernel's time is in the ``self_device_ms`` of one row only, so the
+    column sums to the GPU time of the kernels the operators launched.
+
+    On a GPU, ``key_averages()`` also holds a row per kernel and a GPU-side row per range (device_type CUDA):
+    those are in ``kernel_table(profile)``, so that a range is one row here and no kernel is counted twice.
     ``profile`` is a ``torch.profiler.profile`` or the EventList its ``key_averages()`` returned.
     """
-    averages = _averages(profile, group_by_input_shape)
-    rows = [{
-        "operator": e.key,
-        "input_shapes": str(e.input_shapes) if group_by_input_shape else "",
-        "is_range": bool(e.is_user_annotation) or e.key.startswith("ProfilerStep"),
-        "calls": e.count,
-        "self_cpu_ms": e.self_cpu_time_total / _US_PER_MS,
-        "cpu_total_ms": e.cpu_time_total / _US_PER_MS,
-        "self_device_ms": e.self_device_time_total / _US_PER_MS,
-        "device_total_ms": e.device_time_total / _US_PER_MS,
-        "self_cpu_mem_mb": e.self_cpu_memory_usage / 1e6,
-        "self_device_mem_mb": e.self_device_memory_usage / 1e6,
-    } for e in averages]
+    rows = [row for row in _rows(profile, group_by_input_shape) if row["device_type"] == "CPU"]
     if not rows:
         raise TraceError("the profile holds no events: with a schedule(wait, warmup, active), call prof.step() "
                          "after every step, at least wait + warmup + active times, and read it after the `with` block")
     return pd.DataFrame(rows)
+
+
+def kernel_table(profile, *, group_by_input_shape: bool = False) -> pd.DataFrame:
+    """The GPU side of ``profile.key_averages()``: one row per kernel, copy and memset (kind "kernel", "memcpy",
+    "memset"), and per ``record_function`` range that launched GPU work (kind "range", is_range: its span on the
+    GPU, from its first kernel's start to its last one's end). The columns of ``op_table``; here ``operator`` is
+    the kernel's name, the CPU columns are 0 and ``self_device_ms`` = ``device_total_ms`` is the time it ran.
+    """
+    rows = [row for row in _rows(profile, group_by_input_shape) if row["device_type"] != "CPU"]
+    if not rows:
+        raise NoDeviceEvents("this profile has no GPU kernels: it was recorded on a CPU or without "
+                             "ProfilerActivity.CUDA. op_table(prof) has its CPU side; profile on a GPU for kernels")
+    return pd.DataFrame(rows)
+
+
+def _rows(profile, group_by_input_shape: bool) -> list[dict]:
+    rows = []
+    for e in _averages(profile, group_by_input_shape):
+        device_type = getattr(getattr(e, "device_type", None), "name", "CPU")
+        is_range = bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("ProfilerStep")
+        rows.append({
+            "operator": e.key,
+            "input_shapes": str(e.input_shapes) if group_by_input_shape else "",
+            "kind": _kind(e.key, is_range, device_type),
+            "is_range": is_range,
+            "device_type": device_type,
+            "calls": e.count,
+            "self_cpu_ms": e.self_cpu_time_total / _US_PER_MS,
+            "cpu_total_ms": e.cpu_time_total / _US_PER_MS,
+            "self_device_ms": e.self_device_time_total / _US_PER_MS,
+            "device_total_ms": e.device_time_total / _US_PER_MS,
+            "self_cpu_mem_mb": e.self_cpu_memory_usage / 1e6,
+            "self_device_mem_mb": e.self_device_memory_usage / 1e6,
+        })
+    return rows
+
+
+def _kind(name: str, is_range: bool, device_type: str) -> str:
+    if is_range:
+        return "range"
+    if device_type == "CPU":
+        return "runtime" if _RUNTIME_NAME.match(name) else "operator"
+    if name.startswith(("Memcpy", "Memset")):  # Kineto's names for copies and memsets ("Memcpy HtoD (...)")
+        return name[:6].lower()
+    return "kernel"
 
 
 def _averages(profile, group_by_input_shape: bool):
@@ -85,7 +156,7 @@ def _averages(profile, group_by_input_shape: bool):
 
 
 def top_ops(table: pd.DataFrame, by: str = "self_device_ms", n: int = 10, ranges: bool = False) -> pd.DataFrame:
-    """The ``n`` rows of an ``op_table`` with the most ``by``; ``record_function`` ranges left out unless ``ranges``."""
+    """The ``n`` rows of an ``op_table`` (or ``kernel_table``) with the most ``by``; ranges left out unless ``ranges``."""
     if not isinstance(table, pd.DataFrame) or by not in table.columns:
         columns = ", ".join(c for c in getattr(table, "columns", []) if c.endswith("_ms")) or "none: pass op_table(prof)"
         raise TraceError(f"top_ops() needs an op_table(...) DataFrame and one of its time columns ({columns}), got by={by!r}")
@@ -125,14 +196,18 @@ def load_trace(path) -> dict:
     return trace
 
 
+def _complete(trace) -> list[dict]:
+    """The trace's complete events (``"ph": "X"``) that have a start time."""
+    return [e for e in load_trace(trace)["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+
+
 def events(trace) -> pd.DataFrame:
     """The trace's complete events (``"ph": "X"``), one row each, times in ms from the trace's first event.
 
     Columns: name, cat, kind (kernel, memcpy, memset for GPU events; the category otherwise), pid, tid,
     start_ms, end_ms, dur_ms.
     """
-    trace = load_trace(trace)
-    rows = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+    rows = _complete(trace)
     if not rows:
         raise TraceError("the trace holds no events: was anything run inside the profiler's active steps?")
     frame = pd.DataFrame({
@@ -153,22 +228,33 @@ def events(trace) -> pd.DataFrame:
 
 def has_device_events(trace) -> bool:
     """True when the trace holds GPU kernels (it was recorded on a GPU with ProfilerActivity.CUDA)."""
-    return bool((events(trace)["kind"] == "kernel").any())
+    return any(e.get("cat") == "kernel" for e in _complete(trace))
+
+
+def _step_marks(frame: pd.DataFrame) -> pd.DataFrame:
+    """The CPU-side ``ProfilerStep#N`` ranges of an ``events`` frame, with their step number, in time order.
+
+    A GPU trace also holds each one as a GPU-side span (``gpu_user_annotation``) over the kernels the step launched:
+    a second window for the same step, at another time. Those are left out.
+    """
+    marks = frame[frame["name"].str.startswith(STEP_PREFIX) & ~frame["cat"].isin(DEVICE_SIDE_CATEGORIES)]
+    return marks.assign(step=marks["name"].str.removeprefix(STEP_PREFIX).astype(int)).sort_values("start_ms")
 
 
 def steps(trace) -> pd.DataFrame:
-    """The ``ProfilerStep#N`` windows (one per ``prof.step()``): step, start_ms, end_ms, cpu_ms.
+    """The ``ProfilerStep#N`` windows (one per ``prof.step()``, from the CPU's side): step, start_ms, end_ms, cpu_ms.
 
-    A step's window runs from its start to the next step's start; the last one until its CPU side ends or the
-    last GPU event ends, whichever is later (the GPU runs behind the CPU, so a step's kernels can end after it).
+    A step's window runs from its start to the next step's start; the last one until its CPU side ends or the last
+    GPU event it launched ends, whichever is later (the GPU runs behind the CPU, so a step's kernels can end after it).
     """
+    trace = load_trace(trace)
     frame = events(trace)
-    marks = frame[frame["name"].str.startswith(STEP_PREFIX)]
+    marks = _step_marks(frame)
     if marks.empty:
         raise TraceError("the trace has no ProfilerStep#N ranges: call prof.step() at the end of every training step")
-    marks = marks.assign(step=marks["name"].str.removeprefix(STEP_PREFIX).astype(int)).sort_values("start_ms")
-    gpu = frame[frame["kind"].isin(GPU_CATEGORIES.values())]
-    last_end = max(marks["end_ms"].iloc[-1], gpu["end_ms"].max() if len(gpu) else 0.0)
+    gpu = _device_activity(trace)
+    gpu_end = gpu["end"].max() / _US_PER_MS if len(gpu) else 0.0
+    last_end = max(marks["end_ms"].iloc[-1], gpu_end)
     ends = list(marks["start_ms"].iloc[1:]) + [last_end]
     return pd.DataFrame({"step": marks["step"].to_numpy(), "start_ms": marks["start_ms"].to_numpy(), "end_ms": ends,
                          "cpu_ms": marks["dur_ms"].to_numpy()})
@@ -189,60 +275,120 @@ def busy_ms(intervals, start_ms: float, end_ms: float) -> float:
     return total
 
 
-def gpu_busy(trace) -> pd.DataFrame:
-    """Per step: how long at least one kernel ran on the GPU, and how long none did.
+# ----- the GPU's activity: busy, idle, and why ------------------------------------------------------------
 
-    Columns: step, step_ms, busy_ms, idle_ms, busy_share, kernels, memcpy_ms. ``busy_share`` is what
-    NVML's "GPU utilisation" approximates over its sample period: the share of time *any* kernel ran.
+
+def _device_activity(trace, hta_rounding: bool = False) -> pd.DataFrame:
+    """The GPU's kernels, copies and memsets (µs from the trace's first event): stream, kind, name, start, end, and
+    ``launch``, the time of the CUDA runtime or driver call that queued it (matched by ``correlation``; NaN when there
+    is none).
+
+    When the trace holds two profiled steps or more, only the events the CPU launched by the end of the last one (its
+    CPU side) are kept: a kernel queued after the profiled steps is no part of them (HTA's rule, which HTA 0.5 itself
+    misses when it includes the last step). With ``hta_rounding``, every event is first rounded inward to whole
+    microseconds, as HTA does by default.
+    """
+    raw = _complete(trace)
+    origin = min((float(e["ts"]) for e in raw), default=0.0)
+
+    def span(e):  # from the trace's first event: the difference of two large timestamps is exact, their sum is not
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        if hta_rounding:
+            return math.ceil(ts) - math.ceil(origin), math.floor(ts + dur) - math.ceil(origin)
+        return ts - origin, ts - origin + dur
+
+    launched_at = {e["args"]["correlation"]: span(e)[0] for e in raw
+                   if e.get("cat") in RUNTIME_CATEGORIES and "correlation" in (e.get("args") or {})}
+    rows = []
+    for e in raw:
+        if e.get("cat") in GPU_CATEGORIES:
+            args = e.get("args") or {}
+            start, end = span(e)
+            rows.append({"stream": args.get("stream", e.get("tid")), "kind": GPU_CATEGORIES[e["cat"]],
+                         "name": str(e.get("name", "")), "start": start, "end": end,
+                         "launch": launched_at.get(args.get("correlation"), float("nan"))})
+    gpu = pd.DataFrame(rows, columns=["stream", "kind", "name", "start", "end", "launch"])
+    marks = [e for e in raw if str(e.get("name", "")).startswith(STEP_PREFIX) and e.get("cat") not in
+             DEVICE_SIDE_CATEGORIES]
+    if len({e["name"] for e in marks}) >= 2:  # as HTA: with one step or none, it keeps everything
+        gpu = gpu[gpu["launch"] <= max(span(e)[1] for e in marks)]
+    return gpu.sort_values("start", kind="stable").reset_index(drop=True)
+
+
+def _require_kernels(trace, what: str) -> pd.DataFrame:
+    gpu = _device_activity(trace)
+    if not (gpu["kind"] == "kernel").any():
+        raise NoDeviceEvents(f"this trace has no GPU kernels: it was recorded on a CPU or without "
+                             f"ProfilerActivity.CUDA. {what} needs a trace recorded on a GPU (see traces.reference_trace())")
+    return gpu
+
+
+def gpu_busy(trace) -> pd.DataFrame:
+    """Per step: how long the GPU ran anything, how long it ran kernels, and how long it ran nothing.
+
+    Columns: step, step_ms, busy_ms (a kernel, copy or memset ran: the union of their intervals, overlaps counted
+    once), kernel_ms (a kernel ran), idle_ms (nothing ran: step_ms - busy_ms, HTA's idle time), busy_share,
+    kernel_share, kernels, memcpy_ms, memset_ms. ``kernel_share`` is what NVML's "GPU utilisation" approximates over
+    its sample period: the share of time *any* kernel ran (copy engines do not count there).
     """
     trace = load_trace(trace)
-    frame = events(trace)
-    kernels = frame[frame["kind"] == "kernel"]
-    if kernels.empty:
-        raise NoDeviceEvents("this trace has no GPU kernels: it was recorded on a CPU or without ProfilerActivity.CUDA. "
-                             "GPU busy time needs a trace recorded on a GPU (see traces.reference_trace())")
-    copies = frame[frame["kind"] == "memcpy"]
+    gpu = _require_kernels(trace, "GPU busy time")
+    gpu = gpu.assign(start_ms=gpu["start"] / _US_PER_MS, end_ms=gpu["end"] / _US_PER_MS)
+    by_kind = {kind: gpu[gpu["kind"] == kind] for kind in GPU_CATEGORIES.values()}
     rows = []
     for step in steps(trace).itertuples():
-        busy = busy_ms(kernels, step.start_ms, step.end_ms)
         window = step.end_ms - step.start_ms
+        busy = busy_ms(gpu, step.start_ms, step.end_ms)
+        kernel = busy_ms(by_kind["kernel"], step.start_ms, step.end_ms)
+        kernels = by_kind["kernel"]
         inside = kernels[(kernels["start_ms"] < step.end_ms) & (kernels["end_ms"] > step.start_ms)]
-        rows.append({"step": step.step, "step_ms": window, "busy_ms": busy, "idle_ms": window - busy,
-                     "busy_share": busy / window if window > 0 else float("nan"), "kernels": len(inside),
-                     "memcpy_ms": busy_ms(copies, step.start_ms, step.end_ms)})
+        rows.append({"step": step.step, "step_ms": window, "busy_ms": busy, "kernel_ms": kernel,
+                     "idle_ms": window - busy, "busy_share": _share(busy, window), "kernel_share": _share(kernel, window),
+                     "kernels": len(inside), "memcpy_ms": busy_ms(by_kind["memcpy"], step.start_ms, step.end_ms),
+                     "memset_ms": busy_ms(by_kind["memset"], step.start_ms, step.end_ms)})
     return pd.DataFrame(rows)
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else float("nan")
+
+
+def temporal_breakdown(trace, hta_rounding: bool = False) -> pd.DataFrame:
+    """The GPU's time from its first event to its last (HTA's "kernel time"), split as HTA's temporal breakdown
+    splits it: idle, compute (a kernel ran) and non-compute (only copies or memsets ran). One row:
+    span_ms, busy_ms, compute_ms, non_compute_ms, idle_ms, idle_share. See the module's notes on how it relates to
+    HTA's own numbers."""
+    gpu = _require_kernels(trace, "The temporal breakdown")
+    gpu = _device_activity(trace, hta_rounding) if hta_rounding else gpu
+    pairs = list(zip(gpu["start"], gpu["end"]))
+    first, last = gpu["start"].min(), gpu["end"].max()
+    busy = busy_ms(pairs, first, last)
+    compute = busy_ms([p for p, kind in zip(pairs, gpu["kind"]) if kind == "kernel"], first, last)
+    span = last - first
+    return pd.DataFrame([{"span_ms": span / _US_PER_MS, "busy_ms": busy / _US_PER_MS, "compute_ms": compute / _US_PER_MS,
+                          "non_compute_ms": (busy - compute) / _US_PER_MS, "idle_ms": (span - busy) / _US_PER_MS,
+                          "idle_share": (span - busy) / span if span > 0 else 0.0}])
 
 
 IDLE_CATEGORIES = ("host_wait", "kernel_wait", "other")
 
 
-def idle_breakdown(trace, kernel_wait_us: float = 30.0) -> pd.DataFrame:
+def idle_breakdown(trace, kernel_wait_us: float = 30.0, hta_rounding: bool = False) -> pd.DataFrame:
     """The GPU's idle time per stream, by cause, classified as HolisticTraceAnalysis does it, from the trace JSON.
 
     Each gap before a GPU event (kernel, copy, memset) on its stream is **host wait** when the CPU called the
     CUDA runtime to launch that event only after the stream had run dry (the CPU was the bottleneck), **kernel
     wait** when the gap is shorter than ``kernel_wait_us`` (launch overhead between back-to-back kernels), and
-    **other** otherwise. Like HTA, it counts only GPU events launched by the end of the last ``ProfilerStep``.
+    **other** otherwise. It counts only GPU events launched by the end of the last ``ProfilerStep``, and with
+    ``hta_rounding`` rounds each event inward to whole microseconds first, as HTA does by default.
     Columns: stream, idle_category, idle_ms, idle_share (of that stream's idle time).
     """
-    trace = load_trace(trace)
-    raw = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
-    if not any(e.get("cat") == "kernel" for e in raw):
-        raise NoDeviceEvents("this trace has no GPU kernels: idle time by cause needs a trace recorded on a GPU "
-                             "(see traces.reference_trace())")
-    launched_at = {e["args"]["correlation"]: float(e["ts"]) for e in raw
-                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    gpu = pd.DataFrame([{"stream": e.get("args", {}).get("stream", e.get("tid")), "ts": float(e["ts"]),
-                         "end": float(e["ts"]) + float(e.get("dur", 0.0)),
-                         "launch": launched_at.get(e.get("args", {}).get("correlation"), float("nan"))}
-                        for e in raw if e.get("cat") in GPU_CATEGORIES])
-    step_ends = [float(e["ts"]) + float(e.get("dur", 0.0)) for e in raw if str(e.get("name")).startswith(STEP_PREFIX)]
-    if step_ends:  # as HTA: only what the CPU launched by the end of the last profiled step
-        gpu = gpu[gpu["launch"] <= max(step_ends)]
+    _require_kernels(trace, "Idle time by cause")
+    gpu = _device_activity(trace, hta_rounding)
     rows = []
-    for stream, events_on in gpu.sort_values("ts").groupby("stream", sort=True):
+    for stream, events_on in gpu.sort_values("start", kind="stable").groupby("stream", sort=True):
         previous_end = events_on["end"].shift(1)
-        gap = (events_on["ts"] - previous_end).dropna()
+        gap = (events_on["start"] - previous_end).dropna()
         host = (events_on["launch"] > previous_end).loc[gap.index]
         category = pd.Series("other", index=gap.index)
         category[~host & (gap < kernel_wait_us)] = "kernel_wait"
@@ -253,6 +399,21 @@ def idle_breakdown(trace, kernel_wait_us: float = 30.0) -> pd.DataFrame:
             rows.append({"stream": stream, "idle_category": name, "idle_ms": idle_us / _US_PER_MS,
                          "idle_share": idle_us / total if total > 0 else 0.0})
     return pd.DataFrame(rows)
+
+
+def runtime_calls(trace) -> pd.DataFrame:
+    """The CPU's calls into the CUDA (or HIP) runtime and driver in a trace, per name: name, calls, total_ms, mean_us,
+    most calls first. ``cudaLaunchKernel`` counts launches, ``cudaMalloc`` / ``cudaFree`` the allocations the
+    caching allocator could not serve from its cache, ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` the
+    times the CPU waited. Empty on a trace recorded without ProfilerActivity.CUDA."""
+    calls = [(str(e.get("name", "")), float(e.get("dur", 0.0))) for e in _complete(trace)
+             if e.get("cat") in RUNTIME_CATEGORIES]
+    frame = pd.DataFrame(calls, columns=["name", "dur"])
+    table = frame.groupby("name", sort=False)["dur"].agg(["count", "sum"]).reset_index()
+    table.columns = ["name", "calls", "total_ms"]
+    table["total_ms"] = table["total_ms"] / _US_PER_MS
+    table["mean_us"] = table["total_ms"] * _US_PER_MS / table["calls"].clip(lower=1)
+    return table.sort_values(["calls", "total_ms"], ascending=False, kind="stable").reset_index(drop=True)
 
 
 def phase_times(trace, phases=PHASES) -> pd.DataFrame:
@@ -385,12 +546,15 @@ def hta_available() -> tuple[bool, str]:
     return True, version("holistictraceanalysis")
 
 
-def hta_breakdown(trace) -> tuple[pd.DataFrame, pd.DataFrame]:
+def hta_breakdown(trace, *, exact: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
     """HolisticTraceAnalysis on one GPU trace: (temporal breakdown, idle-time breakdown per stream).
 
     The temporal breakdown splits the GPU's time into idle, compute and non-compute (copies, memsets);
     the idle breakdown splits idle time into host wait (the CPU did not queue work fast enough), kernel
-    wait (the short gaps between back-to-back kernels) and other.
+    wait (the short gaps between back-to-back kernels) and other. Times in µs, as HTA gives them.
+
+    HTA rounds every event inward to whole microseconds before it analyses a trace; ``exact=True`` runs it with
+    that rounding off (its ``HTA_DISABLE_NS_ROUNDING=1``), on the timestamps gpulab's own functions read.
     """
     ok, why = hta_available()
     if not ok:
@@ -412,7 +576,8 @@ def hta_breakdown(trace) -> tuple[pd.DataFrame, pd.DataFrame]:
             json.dump({**trace, "distributedInfo": trace.get("distributedInfo") or {"rank": 0}}, f)
         hta_log.setLevel(logging.ERROR)  # its progress lines are logged as warnings
         try:
-            analysis = TraceAnalysis(trace_files={0: str(path)}, trace_dir=tmp, include_last_profiler_step=True)
+            with _environment(**{_HTA_EXACT_ENV: "1" if exact else None}):
+                analysis = TraceAnalysis(trace_files={0: str(path)}, trace_dir=tmp, include_last_profiler_step=True)
             temporal = analysis.get_temporal_breakdown(visualize=False)
             idle, _ = analysis.get_idle_time_breakdown(visualize=False)
         except Exception as err:  # HTA's own failure on a trace it does not understand: say so in one line
@@ -421,3 +586,22 @@ def hta_breakdown(trace) -> tuple[pd.DataFrame, pd.DataFrame]:
         finally:
             hta_log.setLevel(level)
     return temporal.reset_index(drop=True), idle.reset_index(drop=True)
+
+
+@contextmanager
+def _environment(**values):
+    """Set (a string) or unset (None) environment variables for the ``with`` block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,5 +1,6 @@
 """gpulab.traces on a real CPU profile and on a small hand-written GPU trace (Kineto's Chrome trace format), so that
-the GPU-side code (busy/idle per step, timelines, HolisticTraceAnalysis, recording a reference trace) runs here too."""
+the GPU-side code (busy/idle per step, timelines, HolisticTraceAnalysis, recording a reference trace) runs here too.
+The same code on real GPU traces (A100, MI250): tests/test_traces_real_gpu.py."""
 
 import gzip
 import json
@@ -94,6 +95,10 @@ def test_op_table_of_a_real_profile(cpu_profile):
     assert rows.loc["forward", "calls"] == 2  # two recorded steps
     assert not rows.loc["aten::mkldnn_convolution", "is_range"]
     assert (table["self_cpu_ms"] >= 0).all() and (table["self_device_ms"] == 0).all()
+    assert set(table["device_type"]) == {"CPU"} and set(table["kind"]) == {"operator", "range"}
+    assert (table["kind"] == "range").equals(table["is_range"])
+    with pytest.raises(traces.NoDeviceEvents, match="op_table.prof. has its CPU side"):
+        traces.kernel_table(prof)
     assert rows.loc["forward", "cpu_total_ms"] >= rows.loc["forward", "self_cpu_ms"]
     by_shape = traces.op_table(prof, group_by_input_shape=True)
     assert len(by_shape) > len(table)
@@ -137,16 +142,31 @@ def test_the_cpu_trace_gives_steps_phases_ranges_and_allocations(cpu_profile):
     assert set(spans["lane"]) == {"CPU thread 0"} and set(spans["kind"]) == set(traces.PHASES)
 
 
-def test_gpu_busy_is_the_union_of_kernel_intervals_per_step(gpu_trace_file):
+def test_gpu_busy_is_the_union_of_gpu_intervals_per_step(gpu_trace_file):
     busy = traces.gpu_busy(gpu_trace_file)
     assert list(busy["step"]) == [1, 2]
-    assert busy["busy_ms"].tolist() == pytest.approx([0.5, 0.5])  # the kernel on stream 8 overlaps: counted once
-    assert busy["step_ms"].tolist() == pytest.approx([1.0, 0.9])   # the last step ends with its CPU side
-    assert busy["idle_ms"].tolist() == pytest.approx([0.5, 0.4])
-    assert busy["busy_share"].tolist() == pytest.approx([0.5, 0.5 / 0.9])
-    assert busy["kernels"].tolist() == [4, 4]
+    assert busy["kernel_ms"].tolist() == pytest.approx([0.5, 0.5])  # the kernel on stream 8 overlaps: counted once
     assert busy["memcpy_ms"].tolist() == pytest.approx([0.05, 0.05])
+    assert busy["busy_ms"].tolist() == pytest.approx([0.55, 0.55])  # the copy runs while no kernel does
+    assert busy["step_ms"].tolist() == pytest.approx([1.0, 0.9])    # the last step ends with its CPU side
+    assert busy["idle_ms"].tolist() == pytest.approx([0.45, 0.35])
+    assert busy["busy_share"].tolist() == pytest.approx([0.55, 0.55 / 0.9])
+    assert busy["kernel_share"].tolist() == pytest.approx([0.5, 0.5 / 0.9])
+    assert busy["kernels"].tolist() == [4, 4] and busy["memset_ms"].eq(0).all()
     assert traces.has_device_events(gpu_trace_file)
+
+
+def test_a_gpu_side_copy_of_a_step_is_not_a_step(gpu_trace_file):
+    """On a GPU, Kineto writes each ProfilerStep#N a second time, on the GPU's row (gpu_user_annotation), spanning
+    the kernels the step launched: still two steps, with the same busy time."""
+    trace = gpu_trace()
+    for step in (1, 2):
+        t0 = step * STEP_US
+        trace["traceEvents"].append({"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{step}",
+                                     "pid": 0, "tid": 7, "ts": t0 + 100, "dur": 700, "args": {"External id": step}})
+    assert list(traces.steps(trace)["step"]) == [1, 2]
+    pd.testing.assert_frame_equal(traces.gpu_busy(trace), traces.gpu_busy(gpu_trace_file))
+    pd.testing.assert_frame_equal(traces.idle_breakdown(trace), traces.idle_breakdown(gpu_trace_file))
 
 
 def test_the_last_step_lasts_until_its_last_kernel_ends():
@@ -156,7 +176,7 @@ def test_the_last_step_lasts_until_its_last_kernel_ends():
             event["dur"] = 500  # ends at 2000 + 600 + 500, after the CPU side (2900)
     busy = traces.gpu_busy(trace)
     assert busy["step_ms"].iloc[-1] == pytest.approx(1.1)
-    assert busy["busy_ms"].iloc[-1] == pytest.approx(0.3 + 0.5)
+    assert busy["kernel_ms"].iloc[-1] == pytest.approx(0.3 + 0.5)
 
 
 def test_busy_ms_counts_overlaps_once_and_clips_to_the_window():
@@ -231,8 +251,13 @@ def test_hta_breakdown_agrees_with_gpulab_on_the_hand_written_trace(gpu_trace_fi
     temporal, idle = traces.hta_breakdown(gpu_trace_file)
     row = temporal.iloc[0]
     busy = traces.gpu_busy(gpu_trace_file)
-    assert row["compute_time(us)"] == pytest.approx(busy["busy_ms"].sum() * 1e3)          # kernels: 2 × 500 µs
+    assert row["compute_time(us)"] == pytest.approx(busy["kernel_ms"].sum() * 1e3)        # kernels: 2 × 500 µs
     assert row["non_compute_time(us)"] == pytest.approx(busy["memcpy_ms"].sum() * 1e3)    # the copies: 2 × 50 µs
+    assert busy["busy_ms"].sum() * 1e3 == pytest.approx(row["compute_time(us)"] + row["non_compute_time(us)"])
+    ours = traces.temporal_breakdown(gpu_trace_file).iloc[0]
+    assert ours["compute_ms"] * 1e3 == pytest.approx(row["compute_time(us)"])
+    assert ours["non_compute_ms"] * 1e3 == pytest.approx(row["non_compute_time(us)"])
+    assert ours["idle_ms"] * 1e3 == pytest.approx(row["idle_time(us)"])
     span = (2 * STEP_US + 800) - (STEP_US + 100)                                          # first kernel to last
     assert row["kernel_time(us)"] == pytest.approx(span)
     assert row["idle_time(us)"] == pytest.approx(span - 1000 - 100)
@@ -350,14 +375,24 @@ def test_a_real_gpu_profile_through_every_helper(tmp_path):
                 optimizer.step()
             loss.item()  # the CPU waits for the GPU: host-wait gaps at every step start
             prof.step()
-    top = traces.top_ops(traces.op_table(prof), "self_device_ms", n=3)
-    assert (top["self_device_ms"] > 0).all()
+    table, kernels = traces.op_table(prof), traces.kernel_table(prof)
+    assert set(table["device_type"]) == {"CPU"} and table["operator"].is_unique
+    assert set(kernels["device_type"]) == {"CUDA"} and "kernel" in set(kernels["kind"])
+    assert table["self_device_ms"].sum() == pytest.approx(
+        kernels.loc[~kernels["is_range"], "self_device_ms"].sum(), rel=1e-3)  # each kernel once
+    top = traces.top_ops(table, "self_device_ms", n=3)
+    assert (top["self_device_ms"] > 0).all() and top["operator"].str.startswith("aten::").all()
     busy = traces.gpu_busy(path)
     assert len(busy) == 3 and (busy["kernels"] > 0).all()
-    assert ((busy["busy_ms"] > 0) & (busy["busy_ms"] <= busy["step_ms"])).all()
+    assert ((busy["kernel_ms"] > 0) & (busy["kernel_ms"] <= busy["busy_ms"]) & (busy["busy_ms"] <= busy["step_ms"])).all()
     assert {"GPU kernel"} <= set(traces.timeline_spans(path)["kind"])
-    temporal, hta_idle = traces.hta_breakdown(path)
-    assert temporal["compute_time(us)"].iloc[0] > 0
+    assert traces.runtime_calls(path).set_index("name").loc["cudaLaunchKernel", "calls"] > 0
+    temporal, hta_idle = traces.hta_breakdown(path, exact=True)
+    ours = traces.temporal_breakdown(path).iloc[0]
+    assert temporal["compute_time(us)"].iloc[0] == pytest.approx(ours["compute_ms"] * 1e3, abs=0.01)
     ours = traces.idle_breakdown(path).set_index(["stream", "idle_category"])["idle_ms"]
     theirs = hta_idle.set_index(["stream", "idle_category"])["idle_time"] / 1e3
-    assert ours.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy(), rel=1e-2, abs=1e-2)
+    assert ours.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy(), abs=1e-5)
+    rounded = traces.idle_breakdown(path, hta_rounding=True).set_index(["stream", "idle_category"])["idle_ms"]
+    theirs = traces.hta_breakdown(path)[1].set_index(["stream", "idle_category"])["idle_time"] / 1e3
+    assert rounded.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy(), abs=1e-5)
