@@ -82,6 +82,7 @@ def speedup_text(comparison) -> str:
     return f"{comparison.speedup:.2f}×{noise} ({low:.2f}–{high:.2f}×)"
 
 
+_LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1}  # readable over grid and 1× lines
 _VERDICT_COLORS = {"faster": "tab:green", "slower": "tab:red", "within noise": "0.6"}
 
 
@@ -99,7 +100,7 @@ def speedups(comparisons, *, title: str = "", ax=None):
                 color=[_VERDICT_COLORS[c.verdict] for c in values])
         ax.axvline(1, color="0.3", linestyle="--", linewidth=1)
         ax.invert_yaxis()
-        texts = [ax.text(c.interval[1], i, f"  {speedup_text(c)}", va="center", fontsize="small")
+        texts = [ax.text(c.interval[1], i, f"  {speedup_text(c)}", va="center", fontsize="small", bbox=_LABEL_BOX)
                  for i, c in enumerate(values)]
         ax.set_xlim(0, max([c.interval[1] for c in values] + [1]) * 1.05)
         ax.set_xlabel("speed-up (×), median of interleaved pairs with its interval")
@@ -393,6 +394,8 @@ def trace_timeline(spans, *, steps=None, title: str = "", ax=None):
             ax.axvline(step.start_ms, color="0.3", linestyle=":", linewidth=1)
             ax.annotate(f"step {step.step}", (step.start_ms, 1.0), xycoords=("data", "axes fraction"),
                         xytext=(2, 2), textcoords="offset points", fontsize=8, color="0.3")
+        if steps is not None and len(steps):
+            ax.set_title(title, pad=14)  # above the step labels
     return ax
 
 
@@ -404,11 +407,11 @@ def top_operators(table, column: str = "self_cpu_ms", *, n: int = 10, title: str
         names = [name if len(name) <= 45 else name[:44] + "…" for name in rows["operator"]]
         ax.barh(names, rows[column], color="tab:blue")
         ax.invert_yaxis()
-        for i, value in enumerate(rows[column]):
-            ax.text(value, i, f" {value:.3g}", va="center", fontsize=8)
-        ax.set_xlim(0, rows[column].max() * 1.2 if len(rows) and rows[column].max() > 0 else 1)
+        texts = [ax.text(value, i, f" {value:.3g}", va="center", fontsize=8) for i, value in enumerate(rows[column])]
+        ax.set_xlim(0, rows[column].max() * 1.05 if len(rows) and rows[column].max() > 0 else 1)
         ax.set_xlabel(column)
         ax.set_title(title)
+        fit_labels(ax, texts)
     return ax
 
 
@@ -528,21 +531,23 @@ def relative_bars(frame, metrics: dict, *, label: str, baseline: str, title: str
     rows = frame.reset_index(drop=True)
     base = rows[rows[label] == baseline].iloc[0]
     height = 0.8 / len(metrics)
+    texts = []
     with style():
         for i, (column, name) in enumerate(metrics.items()):
             ratios = rows[column] / base[column]
             positions = [r - 0.4 + (i + 0.5) * height for r in range(len(rows))]
             ax.barh(positions, ratios, height=height, color=f"C{i}", label=name)
-            for pos, ratio, value in zip(positions, ratios, rows[column]):
-                ax.text(ratio, pos, f" {ratio:.2f}× ({value:.3g})", va="center", fontsize=8)
+            texts += [ax.text(ratio, pos, f" {ratio:.2f}× ({value:.3g})", va="center", fontsize=8, bbox=_LABEL_BOX)
+                      for pos, ratio, value in zip(positions, ratios, rows[column])]
         ax.axvline(1, color="0.3", linestyle="--", linewidth=1)
         ax.set_yticks(range(len(rows)), rows[label].astype(str))
         ax.set_ylim(len(rows) - 0.5, -0.5)
         ax.grid(axis="y", visible=False)
-        ax.set_xlim(0, max(float((rows[c] / base[c]).max()) for c in metrics) * 1.4)
+        ax.set_xlim(0, max(float((rows[c] / base[c]).max()) for c in metrics) * 1.05)
         ax.set_xlabel(f"× {baseline}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_title(title)
+        fit_labels(ax, texts)
     return ax
 
 
@@ -583,7 +588,7 @@ def scaling(frame, *, x: str = "gpus", y: str = "efficiency", by: str = "link", 
             ax.plot(measured[x], measured[y], "k*", markersize=11, label="measured")
         log_scale(ax, "x", base=2)
         ax.set(xlabel="GPUs (data-parallel ranks)", ylabel="scaling efficiency", ylim=(0, 1.1), title=title)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the lines, not on them
     return ax
 
 

@@ -244,3 +244,23 @@ def test_bars_say_a_comparisons_spread_instead_of_a_bare_ratio_and_fit_their_lab
     renderer = ax.figure.canvas.get_renderer()
     assert all(t.get_window_extent(renderer).x1 <= ax.get_window_extent(renderer).x1 + 1 for t in ax.texts)
     plt.close(ax.figure)
+
+
+def _inside(ax) -> bool:
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    right = ax.get_window_extent(renderer).x1 + 1
+    return all(t.get_window_extent(renderer).x1 <= right for t in ax.texts)
+
+
+def test_relative_bars_and_top_operators_keep_their_labels_inside_the_axes():
+    frame = pd.DataFrame({"how": ["baseline", "checkpointing every block"], "peak": [100.0, 35.0], "ms": [10.0, 14.2]})
+    ax = plots.relative_bars(frame, {"peak": "peak memory (MiB)", "ms": "time per step (ms)"}, label="how",
+                             baseline="baseline")
+    assert _inside(ax) and all(t.get_bbox_patch() is not None for t in ax.texts)  # a background over the 1x line
+    plt.close(ax.figure)
+    table = pd.DataFrame({"operator": ["aten::addmm", "aten::a_very_long_operator_name_that_goes_on"],
+                          "self_cpu_ms": [12.345678, 11.9]})
+    ax = plots.top_operators(table)
+    assert _inside(ax)
+    plt.close(ax.figure)
