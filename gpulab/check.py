@@ -7,6 +7,7 @@ message, and records the result for ``progress()``. It also keeps the answers it
 checks them again, with the installed checkers, in a cell of its own at the end of the notebook.
 """
 
+import linecache
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,16 @@ class Question:
 
     def solution(self) -> None:
         _show(f"**Solution ({self.name}):**\n\n```python\n{self.solution_text.strip()}\n```")
+
+    def shown(self, name: str, **scope):
+        """The function ``name`` that the shown solution defines, as a notebook cell would define it: run with
+        ``scope`` as its globals, its source kept where ``inspect.getsource`` finds it (as IPython keeps cells),
+        so that checks which send a function's source to another process can run it."""
+        filename = f"<solution {self.lesson} {self.name}>"
+        linecache.cache[filename] = (len(self.solution_text), None, self.solution_text.splitlines(True), filename)
+        scope.setdefault("__name__", "__main__")
+        exec(compile(self.solution_text, filename, "exec"), scope)
+        return scope[name]
 
     def _record(self, status: str, message: str) -> None:
         result = Result(self.lesson, self.name, self.points, status, message)

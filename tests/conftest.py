@@ -25,7 +25,7 @@ def results_dir(tmp_path, monkeypatch):
 
 def shown_solution(question, name: str, **scope):
     """The function ``name`` defined by the solution a question shows learners, run with ``scope`` as globals."""
-    return notebook_function(question.solution_text, name, **scope)
+    return question.shown(name, **scope)
 
 
 def notebook_function(source: str, name: str, **scope):
