@@ -145,27 +145,23 @@ class Side:
         except psutil.NoSuchProcess:
             return []
 
-    def suspend(self) -> None:
+    def _each(self, action: str) -> None:
+        """``action`` ("suspend", "resume", "kill") on the process and every process it started."""
         for process in self._tree():
             try:
-                process.suspend()
+                getattr(process, action)()
             except psutil.Error:
                 pass
 
+    def suspend(self) -> None:
+        self._each("suspend")
+
     def resume(self) -> None:
-        for process in self._tree():
-            try:
-                process.resume()
-            except psutil.Error:
-                pass
+        self._each("resume")
 
     def close(self) -> None:
         """Kill the process and every process it started."""
-        for process in self._tree():
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
+        self._each("kill")
         self.process.wait()
 
 

@@ -1,4 +1,5 @@
 import linecache
+import sys
 
 import pytest
 import torch
@@ -36,3 +37,19 @@ def notebook_function(source: str, name: str, **scope):
     scope.setdefault("__name__", "__main__")
     exec(compile(source, filename, "exec"), scope)
     return scope[name]
+
+
+def checker_values() -> list:
+    """What an answer that walks up the stack can read: the locals of the gpulab frames that called it, and the
+    items of the lists, tuples and dicts among them."""
+    values, frame = [], sys._getframe(1)
+    while frame:
+        if frame.f_globals.get("__name__", "").startswith("gpulab"):
+            for value in frame.f_locals.values():
+                values.append(value)
+                if isinstance(value, (list, tuple)):
+                    values += value
+                elif isinstance(value, dict):
+                    values += value.values()
+        frame = frame.f_back
+    return values

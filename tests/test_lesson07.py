@@ -15,7 +15,7 @@ from gpulab import distributed
 from gpulab.questions import lesson07
 from gpulab.questions.lesson07 import expected_bytes
 
-from .conftest import ROOT, notebook_function, shown_solution
+from .conftest import ROOT, checker_values, notebook_function, shown_solution
 
 
 def blank_function(*args, **kwargs):
@@ -25,22 +25,6 @@ def blank_function(*args, **kwargs):
 def judged(question, answer):
     question.check(answer)
     return question.last
-
-
-def checker_values() -> list:
-    """What an answer that walks up the stack can read: the locals of the gpulab frames that called it, and the
-    items of the lists, tuples and dicts among them."""
-    values, frame = [], sys._getframe(1)
-    while frame:
-        if frame.f_globals.get("__name__", "").startswith("gpulab"):
-            for value in frame.f_locals.values():
-                values.append(value)
-                if isinstance(value, (list, tuple)):
-                    values += value
-                elif isinstance(value, dict):
-                    values += value.values()
-        frame = frame.f_back
-    return values
 
 
 # ----- q1: bus bandwidth ------------------------------------------------------------------------------
@@ -236,7 +220,6 @@ def accumulate_divided_by_world(model, micro_batches):
 def accumulate_copying_the_reference(model, micro_batches):
     """Stack walking: backward every micro-batch (the losses not divided), then copy into .grad any list of
     tensors shaped like the parameters, but not equal to them, that a frame of the check holds."""
-    import sys
 
     params = list(model.parameters())
     for i, (x, y) in enumerate(micro_batches):
