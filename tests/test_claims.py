@@ -33,31 +33,52 @@ def test_pinned_memory_verdicts():
     assert claims._pinned_memory(rows([1.1, 11.0]))[1] == "not confirmed"
 
 
-def test_memory_and_speed_claims_read_their_lessons_columns():
+FASTER, NOISE, SLOWER = (1.4, 1.3, 1.5, "faster"), (1.0, 0.9, 1.1, "within noise"), (0.8, 0.7, 0.85, "slower")
+
+
+def compared(*comparisons) -> dict:
+    """The columns Comparison.row() records, one value per comparison given as (speedup, low, high, verdict)."""
+    return dict(zip(("speedup", "speedup_low", "speedup_high", "verdict"), map(list, zip(*comparisons))))
+
+
+def test_memory_claim_reads_the_peaks():
     half = _rows(remedy=["baseline (Adam)", "autocast float16"], peak_MiB=[100.0, 80.0])
     assert claims._half_memory(half)[1].startswith("not confirmed")
     assert claims._half_memory(half.assign(peak_MiB=[100.0, 50.0]))[1] == "confirmed"
-    ckpt = _rows(config=["no checkpointing", "k=1", "k=2"], peak_MiB=[10.0, 4.0, 6.0], step_ms=[1.0, 1.3, 1.2])
-    figure, verdict = claims._checkpointing(ckpt)
-    assert verdict == "confirmed" and figure.startswith("k=1: peak 0.40×, step time 1.30×")
-    acts = _rows(activation=["ReLU", "GELU", "SiLU"], step_ms=[1.0, 1.2, 1.1])
-    assert claims._activations(acts)[1] == "not confirmed"
-    assert claims._activations(acts.assign(step_ms=[1.0, 1.01, 0.99]))[1] == "no difference within 5 %"
-    assert claims._compile(_rows(way=["eager"], step_ms=[1.0])) is None
-    assert claims._compile(_rows(way=["eager", "torch.compile"], step_ms=[2.0, 1.0]))[1].startswith("torch.compile confirmed")
-    cudnn = _rows(label=["fixed shape, benchmark=False", "fixed shape, benchmark=True",
-                         "varying shapes, benchmark=False", "varying shapes, benchmark=True"], step_ms=[2.0, 1.0, 2.0, 9.0])
-    assert claims._cudnn_benchmark(cudnn)[1] == "confirmed for fixed shapes; costs time when shapes vary"
-    path = _rows(step=["naive baseline", "no sync", "workers"], kept=[True, False, True],
-                 vs_baseline=[1.0, 0.99, 6.2], accuracy=[0.95, 0.95, 0.94])
-    figure, verdict = claims._capstone(path)
-    assert verdict == "confirmed, and larger than claimed" and figure.startswith("the capstone's kept steps: 6.20×")
-    assert claims._capstone(path.assign(vs_baseline=[1.0, 0.99, 1.1]))[1] == "not confirmed"
-    dp = _rows(method=["DataParallel", "DDP"], gpus=[2, 2], samples_per_s=[1000.0, 1500.0])
-    figure, verdict = claims._ddp_over_dp(dp)
-    assert verdict == "confirmed" and figure == "DDP trained 1.50× the samples/s of DataParallel on 2 GPUs"
-    assert claims._ddp_over_dp(dp.assign(samples_per_s=[1000.0, 1020.0]))[1] == "no difference within 5 %"
-    assert claims._ddp_over_dp(dp.assign(samples_per_s=[1000.0, 800.0]))[1] == "not confirmed"
+
+
+@pytest.mark.parametrize("judge, rows, verdicts", [
+    (claims._activations, lambda a, b: _rows(activation=["GELU", "SiLU"], **compared(a, b)),
+     [((FASTER, FASTER), "confirmed"), ((FASTER, SLOWER), "not confirmed"),
+      ((FASTER, NOISE), "within noise: not supported")]),
+    (claims._compile, lambda a, b: _rows(way=["torch.compile"], **compared(a)),
+     [((FASTER, None), "torch.compile confirmed; TorchScript not measured (deprecated)"),
+      ((NOISE, None), "torch.compile: within noise; TorchScript not measured (deprecated)")]),
+    (claims._checkpointing,
+     lambda a, b: _rows(config=["k=1"], peak_MiB=[40.0], baseline_peak_MiB=[100.0], **compared(a)),
+     [((SLOWER, None), "confirmed"), ((NOISE, None), "saves memory; its compute cost is within noise")]),
+    (claims._cudnn_benchmark,
+     lambda a, b: _rows(label=["first step at a new shape (autotuning included)", "steady state, one shape"],
+                        **compared(b, a)),
+     [((FASTER, SLOWER), "confirmed for fixed shapes; costs time when shapes change"),
+      ((NOISE, SLOWER), "within noise: not supported"), ((SLOWER, SLOWER), "not confirmed")]),
+    (claims._ddp_over_dp, lambda a, b: _rows(method=["DDP vs DataParallel"], gpus=[2], **compared(a)),
+     [((FASTER, None), "confirmed"), ((NOISE, None), "within noise: not supported"), ((SLOWER, None), "not confirmed")]),
+])
+def test_speed_claims_follow_the_recorded_comparisons_verdict_never_a_bare_ratio(judge, rows, verdicts):
+    for (a, b), verdict in verdicts:
+        figure, said = judge(rows(a, b or a))
+        assert said == verdict and "×, " in figure
+
+
+def test_the_capstone_claim_needs_its_whole_interval_above_the_claimed_gain():
+    def rows(low, high, verdict="faster"):
+        return _rows(step=["optimised vs baseline"], accuracy=[0.9], **compared(((low + high) / 2, low, high, verdict)))
+    assert claims._capstone(rows(1.6, 2.0))[1] == "confirmed, and larger than claimed"
+    assert claims._capstone(rows(1.35, 1.45))[1] == "confirmed"
+    assert claims._capstone(rows(1.2, 1.6))[1] == "within noise of the claim"
+    assert claims._capstone(rows(1.05, 1.2))[1] == "not confirmed"
+    assert claims._capstone(_rows(step=["naive baseline"], accuracy=[0.9])) is None
 
 
 def test_one_row_per_gpu_and_a_plain_note_where_nothing_ships(monkeypatch, tmp_path):
