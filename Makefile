@@ -4,7 +4,20 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: course test test-browser lab exercises grade notebooks doctor bench clean
+# The wheelhouse for GPU VMs without internet (README, "Workshops on GPU machines without internet"), e.g.
+# make wheelhouse WHEELHOUSE_PYTHON="3.12 3.13"; WHEELHOUSE_ARGS="--present-from image.txt" leaves out what the VM
+# has already (its `pip list --format=freeze`)
+WHEELHOUSE          ?= build/wheelhouse
+WHEELHOUSE_SET      ?= course
+WHEELHOUSE_PYTHON   ?= 3.12
+WHEELHOUSE_PLATFORM ?= manylinux_2_28_x86_64
+# make verify-gpu runs with .venv's Python, made as every target makes it; on a VM with its own torch, install the
+# course there first (make install-offline) and name that Python: make verify-gpu VERIFY_PYTHON=python3
+VERIFY_PYTHON       ?= $(BIN)/python
+VERIFY_INSTALL       = $(if $(filter $(BIN)/python,$(VERIFY_PYTHON)),$(STAMP))
+
+.PHONY: course test test-browser test-wheelhouse lab exercises grade notebooks doctor bench clean \
+	wheelhouse install-offline verify-gpu verify-gpu-plan
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +35,23 @@ test: $(STAMP)  ## everything CI runs: unit tests, notebooks (nbval, quick mode)
 test-browser: $(STAMP)  ## lesson 00 in JupyterLab in headless Chromium: Run All Cells, no errors, plots; screenshots in build/browser/
 	.ci/install-browser
 	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/browser
+
+test-wheelhouse: $(STAMP)  ## the wheelhouse for real: PyPI, Pythons 3.11-3.13, an offline install into a venv with torch (~15 min)
+	GPULAB_WHEELHOUSE_TEST=1 $(BIN)/python -m pytest -p no:cacheprovider -s tests/test_wheelhouse_offline.py
+
+wheelhouse: $(STAMP)  ## every wheel the course needs but torch, for WHEELHOUSE_PYTHON on WHEELHOUSE_PLATFORM, then checked offline
+	$(BIN)/python -m gpulab.wheelhouse build --set $(WHEELHOUSE_SET) --out $(WHEELHOUSE) --platform $(WHEELHOUSE_PLATFORM) \
+		$(foreach v,$(WHEELHOUSE_PYTHON),--python $(v)) $(WHEELHOUSE_ARGS)
+	$(BIN)/python -m gpulab.wheelhouse check $(WHEELHOUSE) $(foreach v,$(WHEELHOUSE_PYTHON),--python $(v)) $(WHEELHOUSE_ARGS)
+
+install-offline:  ## on a machine without internet: the course into PYTHON (which has torch) from WHEELHOUSE
+	$(PYTHON) -m pip install --no-index --find-links $(WHEELHOUSE) -e ".[$(WHEELHOUSE_SET)]"
+
+verify-gpu: $(VERIFY_INSTALL)  ## on a GPU: GPU-marked tests, each lesson in full mode, bench; PARTS="tests 05" picks; BUNDLE=x.tar.gz
+	$(VERIFY_PYTHON) -m gpulab.record verify $(PARTS) $(if $(BUNDLE),--bundle $(BUNDLE))
+
+verify-gpu-plan: $(VERIFY_INSTALL)  ## what verify-gpu would run, with the minutes expected on an H100 (runs nothing)
+	$(VERIFY_PYTHON) -m gpulab.record verify --dry-run $(PARTS)
 
 lab: $(STAMP)  ## open JupyterLab on the lessons
 	$(BIN)/jupyter lab notebooks/
