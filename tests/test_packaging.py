@@ -50,7 +50,7 @@ def test_torch_is_not_pinned_tightly_in_the_package():
 # The first torch release with each API the course's code uses (from PyTorch's sources and release notes): the
 # declared floor must be at least the newest of them. Lower bounds are enough here: none but the first two sets it.
 TORCH_APIS = {
-    r"torch\.backends\.(cuda\.matmul|cudnn\.conv)\.fp32_precision": (2, 9),  # TF32 switches (gpulab.flops, lesson 09)
+    r"torch\.backends\.(cuda\.matmul|cudnn\.conv)\.fp32_precision\s*=": (2, 9),  # the per-backend TF32 setters
     r"from torch\.distributed\.fsdp import[^\n]*\bfully_shard\b": (2, 6),  # FSDP2's public name (lesson 07)
     r"from torch\.distributed\.tensor import": (2, 5),  # DTensor's public module
     r"torch\.get_autocast_dtype\(": (2, 4),

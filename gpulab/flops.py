@@ -1,0 +1,421 @@
+"""MFU done right: the FLOPs of a step counted by ``torch.utils.flop_counter.FlopCounterMode``, cross-checked against
+the analytic rule for transformers, divided by the **measured** matmul ceiling of the precision the step really ran in.
+
+Model FLOPs utilisation (MFU) is the model's FLOPs per second over what this device can really do. It goes wrong in
+four known ways, and each has its guard here:
+
+- the FLOPs: counted by ``count`` (``FlopCounterMode``, never a hand-written counter) and cross-checked against the
+  analytic rule (``gpt_flops_per_token``: every matmul of a GPT, and ``rule_flops_per_token``: 6·N + 12·L·d·T per
+  token, PaLM's appendix B and nanoGPT's ``estimate_mfu``). A count far above the rule (nanoGPT PR #464 reported
+  104 % MFU) shows up as a disagreement, and an MFU above 100 % is flagged (``Utilisation.warning``);
+- the ceiling's precision: ``precision_of`` says which one a step's matmuls ran in (bf16 under bf16 autocast,
+  whatever the TF32 switch says), and ``mfu`` refuses to divide a step by another precision's ceiling (torchtitan
+  #668 divided bf16 runs by the TF32 peak);
+- the ceiling itself: ``ceiling`` measures the best matmul this device reaches in that precision, by a short search
+  over shapes as ml-engineering's MAMF finder does. The vendor's dense datasheet peak is shown beside it, never a
+  sparse one ("with sparsity" figures are twice the dense ones), and never another GPU's constant;
+- recomputation: FLOPs that run twice (activation checkpointing, flash attention's backward) are hardware FLOPs. MFU
+  counts the model's FLOPs once; HFU (hardware FLOPs utilisation) counts what ran, and is shown beside it.
+
+    >>> step = flops.count(lambda: model(x, y).backward())          # FLOPs of a training step, as run
+    >>> peak = flops.ceiling("bf16")                                  # measured here, cached for the process
+    >>> print(flops.mfu(step.total, seconds_per_step, peak, precision="bf16"))
+"""
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from .device import device_info, get_device
+from .mode import by_mode
+from .precision import datasheet_gpu, datasheet_peak, matmul_flops
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8": getattr(torch, "float8_e4m3fn", None)}
+# Vendor datasheet figures for fp8 (dense: half the "with sparsity" figure), not measurements; the other precisions'
+# come from gpulab.precision.DATASHEET_TFLOPS.
+DATASHEET_FP8_TFLOPS = {"H100 SXM": 1978.9, "H100 PCIe": 1513.0, "H100 NVL": 1670.5, "L4": 242.5}
+
+
+# ----- which precision a step's matmuls ran in ---------------------------------------------------------------------
+
+def tf32_enabled(convolutions: bool = False) -> bool:
+    """Whether fp32 matmuls (or, with ``convolutions=True``, cuDNN's fp32 convolutions) may use TF32 tensor cores.
+
+    Read as the course sets it, with ``torch.set_float32_matmul_precision`` ("high": TF32), which keeps torch's
+    legacy and per-backend flags in step; setting only the per-backend ``fp32_precision`` makes the legacy readers
+    (torch's compiler among them) raise an error about "a mix of the legacy and new APIs"."""
+    if convolutions:
+        return torch.backends.cudnn.allow_tf32
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def precision_of(autocast_dtype: torch.dtype | None = None, *, tf32: bool | None = None, convolutions: bool = False,
+                 device=None) -> str:
+    """The precision whose ceiling a step is measured against: "bf16" or "fp16" under autocast to that dtype (its
+    matmuls run in it, whatever the TF32 switch says); otherwise "tf32" when fp32 matmuls may use TF32 on a GPU that
+    has it (``tf32``: that switch, read from torch when None; ``convolutions=True`` reads cuDNN's switch, which is on
+    by default, for a step dominated by convolutions), else "fp32"."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if autocast_dtype in names:
+        return names[autocast_dtype]
+    if autocast_dtype not in (None, torch.float32):
+        raise ValueError(f"autocast runs matmuls in bf16 or fp16, not {autocast_dtype}")
+    info = device_info(get_device(device))
+    if not info.tf32:  # a CPU, or a GPU older than Ampere: no TF32
+        return "fp32"
+    return "tf32" if (tf32_enabled(convolutions) if tf32 is None else tf32) else "fp32"
+
+
+def precisions_here(device=None) -> list[str]:
+    """The precisions this device runs matmuls in natively: fp32 and bf16 on a CPU; on a GPU fp32 and fp16, tf32
+    and bf16 from compute capability 8.0, fp8 from 8.9 (where torch has float8 types)."""
+    info = device_info(get_device(device))
+    if info.compute_capability is None:
+        return ["fp32", "bf16"]
+    cc = tuple(info.compute_capability)
+    found = ["fp32"] + (["tf32"] if cc >= (8, 0) else []) + ["fp16"] + (["bf16"] if cc >= (8, 0) else [])
+    return found + (["fp8"] if cc >= (8, 9) and DTYPES["fp8"] is not None else [])
+
+
+def datasheet(name: str, precision: str) -> float | None:
+    """The vendor's dense datasheet peak in TFLOP/s for a device name and precision (None where not listed: CPUs, and
+    GPUs the course has no figure for). Dense: never the "with sparsity" figure."""
+    if precision == "fp8":
+        entry = datasheet_gpu(name)
+        return DATASHEET_FP8_TFLOPS.get(entry) if entry else None
+    return datasheet_peak(name, precision)
+
+
+# ----- counting FLOPs ----------------------------------------------------------------------------------------------
+
+def _cpu_flash(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# FlopCounterMode has formulas for the GPU's attention kernels but not for the CPU's flash kernel, which it would
+# count as zero: the same formulas, for the CPU's operators.
+CPU_ATTENTION_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+@dataclass(frozen=True)
+class Count:
+    """FLOPs counted by FlopCounterMode: ``total``, and per module and operator (``by_module["Global"]`` is all)."""
+
+    total: int
+    by_module: dict = field(default_factory=dict)
+
+    def by_operator(self) -> dict:
+        """FLOPs per operator (mm, addmm, bmm, convolution, attention kernels, ...)."""
+        return {str(op).removeprefix("aten."): n for op, n in self.by_module.get("Global", {}).items()}
+
+    def table(self, depth: int = 2) -> pd.DataFrame:
+        """FLOPs per module, the total first, then the submodules down to ``depth`` levels below the model
+        (``GPT.blocks.0`` is two), each with its share of the total. (The model's own row is the total: the module
+        tracker attributes the backward pass to the submodules only.)"""
+        rows = [{"module": "total", "flops": self.total, "share": 1.0}]
+        rows += [{"module": name, "flops": sum(ops.values()), "share": sum(ops.values()) / self.total if self.total else 0}
+                 for name, ops in self.by_module.items() if name != "Global" and 1 <= name.count(".") <= depth]
+        return pd.DataFrame(rows, columns=["module", "flops", "share"])
+
+    def per(self, n: float) -> float:
+        """FLOPs per ``n`` units (tokens, samples)."""
+        return self.total / n
+
+
+def count(fn, *args, **kwargs) -> Count:
+    """The FLOPs of ``fn(*args, **kwargs)`` as it runs: ``FlopCounterMode`` over the call (matmuls, convolutions and
+    attention kernels; element-wise work counts nothing), with formulas for the CPU's flash attention added.
+
+    What ran is what is counted: flash and memory-efficient attention's backward recomputes the attention scores,
+    activation checkpointing recomputes the forward. Those are hardware FLOPs; for the model's FLOPs count a step
+    without checkpointing under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, or use the analytic rule."""
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter:
+        fn(*args, **kwargs)
+    return Count(total=counter.get_total_flops(), by_module=counter.get_flop_counts())
+
+
+def training_flops(model: torch.nn.Module, inputs, targets, loss_fn=None) -> Count:
+    """The FLOPs of one forward and backward pass of ``model`` on a batch: ``loss_fn(model(inputs), targets)``, or
+    ``model(inputs, targets)`` when the model returns its loss (an optimizer's step has no matmul). The parameters'
+    ``.grad`` are left as they were."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        def step():
+            loss = loss_fn(model(inputs), targets) if loss_fn is not None else model(inputs, targets)
+            loss.backward()
+        return count(step)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
+def gpt_flops_per_token(n_layer: int, n_embd: int, seq_len: int, vocab_size: int, *, training: bool = True,
+                        mlp_ratio: int = 4) -> int:
+    """Every matmul of a GPT (nanoGPT's shape: fused q/k/v, output projection, an MLP ``mlp_ratio`` times wider, a head
+    over the vocabulary), per token: 2 FLOPs per weight of a matmul, plus attention's scores and weighted sum over all
+    ``seq_len`` positions (4·T·d per layer; the causal mask is not discounted, as in PaLM and FlopCounterMode). A
+    training step runs each matmul three times (forward; gradients of inputs and of weights): 3× the forward."""
+    weights = n_layer * (3 + 1 + 2 * mlp_ratio) * n_embd**2 + n_embd * vocab_size
+    forward = 2 * weights + 4 * n_layer * seq_len * n_embd
+    return 3 * forward if training else forward
+
+
+def rule_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    """The rule of thumb for training a transformer: 6·N + 12·L·d·T FLOPs per token (N parameters without the
+    position embedding; PaLM's appendix B, nanoGPT's ``estimate_mfu``)."""
+    return 6 * n_params + 12 * n_layer * n_embd * seq_len
+
+
+# ----- the ceiling: the best matmul this device reaches in a precision -----------------------------------------------
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The measured matmul ceiling of one precision on one device: the median TFLOP/s at the fastest shape searched."""
+
+    precision: str
+    tflops: float
+    shape: tuple = ()  # (m, n, k) of the fastest shape
+    by_shape: dict = field(default_factory=dict)  # {(m, n, k): median TFLOP/s}
+    device_name: str = ""
+    datasheet_tflops: float | None = None  # the vendor's dense peak (None where unknown)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
+        if not (self.tflops > 0 and math.isfinite(self.tflops)):
+            raise ValueError(f"a ceiling is a positive number of TFLOP/s, got {self.tflops!r}")
+
+    def row(self) -> dict:
+        m, n, k = self.shape or (None, None, None)
+        return {"precision": self.precision, "ceiling_tflops": self.tflops, "m": m, "n": n, "k": k,
+                "datasheet_tflops": self.datasheet_tflops,
+                "of_datasheet": self.tflops / self.datasheet_tflops if self.datasheet_tflops else None}
+
+    def __str__(self) -> str:
+        shape = f" at {'×'.join(map(str, self.shape))}" if self.shape else ""
+        sheet = (f"; {self.tflops / self.datasheet_tflops:.0%} of the datasheet's dense {self.datasheet_tflops:g}"
+                 if self.datasheet_tflops else "")
+        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{sheet}"
+
+
+MAX_PRODUCT_S = 0.25  # a shape whose product would take longer than this is not tried
+
+
+def search_shapes(device=None) -> list[tuple[int, int, int]]:
+    """The (m, n, k) shapes ``ceiling`` tries: squares and the long, flat shapes where cuBLAS often does best (as
+    MAMF's search finds), sized for the device and the mode."""
+    cuda = get_device(device).type == "cuda"
+    if cuda:
+        full = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
+                (8192, 8192, 2048), (16384, 8192, 1024), (4096, 16384, 4096), (16384, 4096, 8192),
+                (6144, 16384, 2048), (8192, 4096, 16384)]
+        quick = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 1024)]
+    else:
+        full = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (1024, 2048, 512), (2048, 1024, 1024)]
+        quick = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 128, 512)]
+    return by_mode(full=full, quick=quick)
+
+
+@contextmanager
+def _matmul_precision(precision: str, cuda: bool):
+    """fp32 matmuls in TF32 for "tf32" and in full fp32 for "fp32" inside the block (CUDA; the setting is restored)."""
+    if not cuda or precision not in ("fp32", "tf32"):
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _product(precision: str, m: int, n: int, k: int, device: torch.device):
+    """A function computing one (m×k) @ (k×n) product in ``precision`` on random normal data."""
+    if precision == "fp8":  # row-major A, column-major B, float32 scales: what torch._scaled_mm wants
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return functools.partial(torch._scaled_mm, a, b, one, one, out_dtype=torch.bfloat16)
+    dtype = DTYPES[precision]
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    return functools.partial(torch.mm, a, b, out=out)
+
+
+def _count(seconds: float, each: float, least: int, most: int) -> int:
+    """How many calls of ``each`` seconds fill ``seconds``, within [least, most]."""
+    return min(most, max(least, math.ceil(seconds / max(each, 1e-9))))
+
+
+def _timed(product, count: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``count`` calls of ``product``, back to back: between CUDA events recorded on the device's
+    stream on a GPU (the host never waits in between), by the host clock on a CPU."""
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+        events[0].record(stream)
+        for event in events[1:]:
+            product()
+            event.record(stream)
+        events[-1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in zip(events, events[1:])]
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+_WARMED: set[str] = set()
+
+
+def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None = None) -> Ceiling:
+    """The best matmul this device reaches in ``precision``: each of ``shapes`` (default ``search_shapes``) timed for
+    about ``seconds`` of back-to-back products (between CUDA events on a GPU), after a short warm-up of its own; the
+    ceiling is the median TFLOP/s of the fastest shape. A GPU's clocks are ramped up once per process first (1 s of
+    products). Shapes whose product would take over a quarter of a second are skipped. Measured once per process and
+    device for the same arguments (cached); "tf32" and "fp32" set the TF32 switch while they measure, then restore it."""
+    device = get_device(device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    here = precisions_here(device)
+    if precision not in here and not (device.type == "cpu" and precision == "fp16"):
+        raise ValueError(f"{precision} matmuls do not run natively on {device_info(device).name} (it has "
+                         f"{', '.join(here)}): there is no {precision} ceiling to divide by here")
+    shapes = tuple(tuple(int(d) for d in s) for s in (shapes or search_shapes(device)))
+    seconds = by_mode(full=0.15, quick=0.01) if seconds is None else float(seconds)
+    return _measured_ceiling(precision, str(device), shapes, seconds)
+
+
+@functools.cache
+def _measured_ceiling(precision: str, device: str, shapes: tuple, seconds: float) -> Ceiling:
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    by_shape = {}
+    with _matmul_precision(precision, cuda):
+        if cuda and str(device) not in _WARMED:  # clocks ramp up under load: a second of large products first
+            warm, started = _product("fp16", 8192, 8192, 8192, device), time.perf_counter()
+            while time.perf_counter() - started < by_mode(full=1.0, quick=0.1):
+                _timed(warm, 10, device)
+            del warm
+            _WARMED.add(str(device))
+        for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
+            flops = matmul_flops(m, n, k)
+            if by_shape and flops / (max(by_shape.values()) * 1e12) > MAX_PRODUCT_S:
+                continue  # too slow at this size: the others have told us the rate
+            product = _product(precision, m, n, k, device)
+            one = _timed(product, 1, device)[0]  # loads the library's kernel; how long one product takes
+            _timed(product, _count(seconds / 3, one, 1, 1000), device)
+            times = _timed(product, _count(seconds, one, 3, 10_000), device)
+            by_shape[(m, n, k)] = flops / statistics.median(times) / 1e12
+            del product
+    best = max(by_shape, key=by_shape.get)
+    name = device_info(device).name
+    return Ceiling(precision, by_shape[best], best, by_shape, name, datasheet(name, precision) if cuda else None)
+
+
+def ceilings(precisions=None, device=None, **options) -> dict[str, Ceiling]:
+    """``ceiling`` of each of ``precisions`` (default: every precision this device runs natively)."""
+    return {p: ceiling(p, device, **options) for p in (precisions or precisions_here(device))}
+
+
+# ----- MFU and HFU -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Utilisation:
+    """A step's model FLOPs per second over the ceiling of its precision (MFU), and its hardware FLOPs (what ran,
+    recomputation included) over the same ceiling (HFU)."""
+
+    precision: str
+    model_flops: float  # per step
+    seconds: float  # per step
+    ceiling_tflops: float
+    hardware_flops: float | None = None  # per step, where recomputation or padding adds FLOPs
+    datasheet_tflops: float | None = None
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.model_flops / self.seconds / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.achieved_tflops / self.ceiling_tflops
+
+    @property
+    def hfu(self) -> float:
+        return (self.hardware_flops or self.model_flops) / self.seconds / 1e12 / self.ceiling_tflops
+
+    @property
+    def of_datasheet(self) -> float | None:
+        """The model's TFLOP/s over the vendor's dense datasheet peak (None where unknown)."""
+        return self.achieved_tflops / self.datasheet_tflops if self.datasheet_tflops else None
+
+    @property
+    def warning(self) -> str:
+        """What is wrong when the numbers are impossible ("" when they are not)."""
+        if self.hfu > 1.0 or self.mfu > 1.0:
+            return (f"above 100 % of the measured {self.precision} ceiling: the FLOPs are over-counted, the ceiling is "
+                    "another precision's, or the step was timed without waiting for the GPU")
+        return ""
+
+    def row(self) -> dict:
+        return {"precision": self.precision, "achieved_tflops": self.achieved_tflops,
+                "ceiling_tflops": self.ceiling_tflops, "mfu": self.mfu,
+                "hfu": self.hfu if self.hardware_flops else None, "datasheet_tflops": self.datasheet_tflops,
+                "of_datasheet": self.of_datasheet}
+
+    def __str__(self) -> str:
+        text = (f"MFU {self.mfu:.1%}: {self.achieved_tflops:.3g} TFLOP/s of model FLOPs over the measured {self.precision} "
+                f"ceiling of {self.ceiling_tflops:.3g}")
+        if self.hardware_flops and self.hardware_flops != self.model_flops:
+            text += f"; HFU {self.hfu:.1%} (recomputed FLOPs included)"
+        if self.datasheet_tflops:
+            text += f"; {self.of_datasheet:.1%} of the datasheet's dense {self.datasheet_tflops:g}"
+        return text + (f" — {self.warning}" if self.warning else "")
+
+
+def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Ceiling]", *, precision: str | None = None,
+        hardware_flops: float | None = None) -> Utilisation:
+    """MFU (and HFU) of a step that does ``model_flops`` in ``seconds``: its TFLOP/s over the measured ceiling of
+    ``precision``, the precision its matmuls ran in (``precision_of``). ``ceiling`` is that precision's ``Ceiling``,
+    or a mapping of precisions to ceilings (``ceilings()``) to pick it from. A ceiling of another precision is refused:
+    a bf16 step over the TF32 ceiling reads twice its real MFU."""
+    for name, value in (("model_flops", model_flops), ("seconds", seconds)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(ceiling, Mapping):
+        if precision is None:
+            raise ValueError("pass precision=... (flops.precision_of(...)) to pick the ceiling of the step's precision")
+        if precision not in ceiling:
+            raise ValueError(f"no measured {precision} ceiling among {', '.join(ceiling) or 'none'}: measure it with "
+                             f"flops.ceiling({precision!r}); another precision's ceiling would misstate the MFU")
+        ceiling = ceiling[precision]
+    if not isinstance(ceiling, Ceiling):
+        raise TypeError(f"ceiling must be a flops.Ceiling (measured with flops.ceiling), got {type(ceiling).__name__}")
+    if precision is not None and precision != ceiling.precision:
+        raise ValueError(f"a {precision} step divided by the {ceiling.precision} ceiling: MFU divides by the ceiling of "
+                         f"the precision the step ran in (flops.ceiling({precision!r}))")
+    return Utilisation(ceiling.precision, float(model_flops), float(seconds), ceiling.tflops,
+                       float(hardware_flops) if hardware_flops else None, ceiling.datasheet_tflops)

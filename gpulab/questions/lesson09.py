@@ -1,0 +1,398 @@
+"""Lesson 09, transformers: the FLOPs per token of a GPT, the MFU of a measured step against the right ceiling, a
+graph break found and fixed, and which attention backend a profile proves ran.
+
+None of these checks times the learner's code: each compares what the learner's function returns with what torch
+itself says (FlopCounterMode, torch._dynamo.explain, the profiler under a forced backend), computed after the
+learner's function has returned."""
+
+import functools
+import math
+import numbers
+import random
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import flops, text
+from ..check import Question, Wrong
+from ..device import get_device, sync
+
+# ----- q1: FLOPs per token of a GPT --------------------------------------------------------------------------------
+
+# (n_layer, n_head, n_embd, seq_len, vocab_size): GPT-2 small; a long context on a small model (attention dominates);
+# a tiny model with a padded vocabulary.
+_CONFIGS = [(12, 12, 768, 1024, 50304), (4, 4, 256, 2048, 257), (2, 4, 128, 256, 320)]
+TOLERANCE = 0.02  # the 6·N + 12·L·d·T rule, with N counted right, is within 2 % of the count for these models
+
+
+@functools.lru_cache(maxsize=64)
+def counted_flops_per_token(n_layer, n_head, n_embd, seq_len, vocab_size) -> float:
+    """FlopCounterMode's count of a training step (forward and backward) of the lesson's GPT, per token: the model
+    built on the meta device (no memory, no arithmetic), attention by the math backend (the model's FLOPs)."""
+    cfg = text.GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                         attention="sdpa")
+    with torch.device("meta"):
+        model = text.GPT(cfg)
+    idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with sdpa_kernel(SDPBackend.MATH):
+        return flops.training_flops(model, idx, idx).total / seq_len
+
+
+def _params(n_layer, n_embd, vocab_size, seq_len=0) -> int:
+    """The GPT's parameters (the head tied to the token embedding), plus the position embedding's when seq_len > 0."""
+    per_block = 12 * n_embd**2 + 13 * n_embd  # q/k/v, projection and MLP weights and biases; two LayerNorms
+    return n_layer * per_block + 2 * n_embd + vocab_size * n_embd + seq_len * n_embd
+
+
+def _mistakes(n_layer, n_head, n_embd, seq_len, vocab_size) -> dict[str, float]:
+    """Per-token FLOPs that plausible mistakes give, and what each gets wrong."""
+    n = _params(n_layer, n_embd, vocab_size)
+    attention = 12 * n_layer * n_embd * seq_len
+    return {
+        "6·N alone leaves out attention's scores and weighted sum: add 12·L·d·T per token": 6 * n,
+        "that counts the forward pass only: training runs every matmul three times (forward, the inputs' gradients, "
+        "the weights' gradients)": 2 * n + attention / 3,
+        "that halves attention for the causal mask; the count (like PaLM's rule and FlopCounterMode) takes all T "
+        "positions": 6 * n + attention / 2,
+        "N includes the position embedding, which is a lookup, not a matmul: leave it out": 6 * (n + seq_len * n_embd)
+        + attention,
+        "the head is tied to the token embedding: its weights are the embedding's, counted once (and they are a "
+        "matmul: leave them in)": 6 * (n + vocab_size * n_embd) + attention,
+        "the head's matmul is missing: the tied embedding is used as the output layer, 2·d·V per token forward":
+        6 * (n - vocab_size * n_embd) + attention,
+        "the attention term is 12·L·d·T: heads split d, they do not multiply it": 6 * n + attention * n_head,
+    }
+
+
+class _TensorOperations(TorchDispatchMode):
+    """Counts the tensor operations run inside it (a model built and counted inside the learner's function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ran += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _check_flops_per_token(flops_per_token) -> str:
+    if not callable(flops_per_token):
+        raise Wrong("pass your function itself: `q1.check(flops_per_token)`")
+    rng = random.Random()
+    heads = rng.choice([4, 6, 8])
+    configs = _CONFIGS + [(rng.randint(2, 6), heads, heads * rng.choice([32, 48, 64]), rng.choice([512, 1024, 4096]),
+                           rng.choice([257, 320, 1024]))]  # and one drawn at random each time
+    for cfg in configs:
+        with _TensorOperations() as operations:
+            got = flops_per_token(*cfg)
+        call = "flops_per_token(n_layer={}, n_head={}, n_embd={}, seq_len={}, vocab_size={})".format(*cfg)
+        if operations.ran:
+            raise Wrong(f"{call} ran {operations.ran} tensor operations: work it out on paper, from the configuration "
+                        "(no model, no FlopCounterMode: the check compares your formula with FlopCounterMode's count)")
+        if isinstance(got, bool) or not isinstance(got, (numbers.Real, torch.Tensor)):
+            raise Wrong(f"{call} returned {got!r}: return a number of FLOPs")
+        got = float(got)
+        expected = counted_flops_per_token(*cfg)
+        if abs(got - expected) <= TOLERANCE * expected:
+            continue
+        hint = next((why for why, value in _mistakes(*cfg).items() if abs(got - value) <= 0.005 * value), "")
+        if not hint and math.isclose(got, expected * cfg[3], rel_tol=TOLERANCE):
+            hint = "that is per sequence: divide by the seq_len tokens"
+        raise Wrong(f"{call} = {got:.4g}; FlopCounterMode counts {expected:.4g} FLOPs per token of a training step"
+                    + (f": {hint}." if hint else "."))
+    cfg = configs[0]
+    return (f"within {TOLERANCE:.0%} of FlopCounterMode on {len(configs)} configurations; GPT-2 small at T = {cfg[3]} "
+            f"trains at {counted_flops_per_token(*cfg) / 1e9:.3g} GFLOP per token.")
+
+
+# ----- q2: the MFU of a measured step ---------------------------------------------------------------------------------
+
+# (flops per step, seconds per step, autocast dtype, TF32 switch, ceilings in TFLOP/s): a bf16 step with TF32 on (the
+# bf16 ceiling, not TF32's), fp32 steps with and without TF32, an fp16 step on a GPU without bf16 or TF32.
+_H100_LIKE = {"fp32": 51.0, "tf32": 378.0, "fp16": 760.0, "bf16": 740.0}
+_T4_LIKE = {"fp32": 7.5, "fp16": 45.0}
+_STEPS = [
+    (3.0e14, 0.9, torch.bfloat16, True, _H100_LIKE),
+    (3.0e14, 2.1, None, True, _H100_LIKE),
+    (3.0e14, 11.0, None, False, _H100_LIKE),
+    (1.2e13, 0.6, torch.float16, False, _T4_LIKE),
+]
+
+
+def _precision(autocast_dtype, tf32: bool, ceilings: dict) -> str:
+    if autocast_dtype is not None and autocast_dtype != torch.float32:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast_dtype]
+    return "tf32" if tf32 and "tf32" in ceilings else "fp32"
+
+
+def expected_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops) -> float:
+    precision = _precision(autocast_dtype, tf32, ceilings_tflops)
+    return flops_per_step / seconds_per_step / (ceilings_tflops[precision] * 1e12)
+
+
+def _mfu_hint(got: float, case) -> str:
+    flops_per_step, seconds, autocast_dtype, tf32, ceilings = case
+    achieved = flops_per_step / seconds
+    right = expected_mfu(*case)
+    if math.isclose(got, 100 * right, rel_tol=1e-3):
+        return "That is a percentage: return a fraction (0.41, not 41)."
+    if math.isclose(got, right * 1e12, rel_tol=1e-3):
+        return "The ceilings are in TFLOP/s: multiply by 1e12 before dividing FLOP/s by them."
+    for name, tflops in ceilings.items():
+        if math.isclose(got, achieved / (tflops * 1e12), rel_tol=1e-3):
+            if autocast_dtype is not None and name == "tf32":
+                return ("That divides by the TF32 ceiling: under autocast the matmuls run in "
+                        f"{_precision(autocast_dtype, tf32, ceilings)}, whatever the TF32 switch says (torchtitan #668)")
+            if name == max(ceilings, key=ceilings.get):
+                return "That divides by the fastest ceiling of all: divide by the ceiling of the precision the step ran in."
+            return f"That divides by the {name} ceiling; this step's matmuls ran in {_precision(*case[2:])}."
+    return ""
+
+
+def _check_mfu(step_mfu, flops_per_step=None, seconds_per_step=None, ceilings_tflops=None) -> str:
+    if not callable(step_mfu):
+        raise Wrong("pass your function itself: `q2.check(step_mfu, flops_per_step, seconds_per_step, ceilings_tflops)`")
+    cases = list(_STEPS)
+    if flops_per_step is not None:  # the learner's own measured step, in fp32 with TF32 as it was set
+        if not isinstance(ceilings_tflops, dict) or not ceilings_tflops:
+            raise Wrong("pass the measured ceilings as a dict of TFLOP/s, e.g. {p: c.tflops for p, c in "
+                        "flops.ceilings().items()}")
+        cases.append((float(flops_per_step), float(seconds_per_step), None, flops.tf32_enabled(),
+                      {p: float(c) for p, c in ceilings_tflops.items()}))
+    for case in cases:
+        flops_step, seconds, autocast_dtype, tf32, ceilings = case
+        dtype = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else None
+        call = f"step_mfu({flops_step:.3g}, {seconds:.3g}, {dtype}, tf32={tf32}, <{', '.join(ceilings)} ceilings>)"
+        got = step_mfu(flops_step, seconds, autocast_dtype, tf32, dict(ceilings))
+        if isinstance(got, bool) or not isinstance(got, (numbers.Real, torch.Tensor)):
+            raise Wrong(f"{call} returned {got!r}: return the MFU as a fraction")
+        got, right = float(got), expected_mfu(*case)
+        if not math.isclose(got, right, rel_tol=1e-3):
+            raise Wrong(f"{call} = {got:.4g}; the MFU is {right:.4g}. " + _mfu_hint(got, case))
+    if flops_per_step is None:
+        return "right on every hand-made step."
+    mine = expected_mfu(*cases[-1])
+    return (f"right on the hand-made steps and on yours: {mine:.1%} of this machine's measured "
+            f"{_precision(*cases[-1][2:])} ceiling.")
+
+
+# ----- q3: a graph break found and fixed ------------------------------------------------------------------------------
+
+def scaled_mlp(x, w1, w2, limit: float = 4.0):
+    """An MLP's forward pass with a debugging habit in it: the activations' largest magnitude read back to Python,
+    and a branch on it that scales them down when they grow past ``limit``."""
+    h = x @ w1
+    peak = h.abs().max().item()  # a Python number: graph break (and, on a GPU, a wait for the GPU)
+    if peak > limit:  # a branch on the data
+        h = h * (limit / peak)
+    return torch.relu(h) @ w2
+
+
+def _inputs(kind: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, w1, w2 = torch.randn(16, 32, generator=g), torch.randn(32, 64, generator=g) / 8, torch.randn(64, 8, generator=g)
+    if kind == "large":  # activations past the limit: the branch scales them
+        w1 = w1 * 10
+    if kind == "negative":  # one strongly negative unit: the largest magnitude is not the largest value
+        x = x.abs()
+        w1[:, 0] = -5.0
+    return x, w1, w2
+
+
+def _check_graph_break(scaled_mlp_fixed) -> str:
+    if not callable(scaled_mlp_fixed):
+        raise Wrong("pass your function itself: `q3.check(scaled_mlp_fixed)`")
+    for kind, seed in (("small", 1), ("large", 2), ("negative", 3), ("large", 4)):
+        x, w1, w2 = _inputs(kind, seed)
+        got = scaled_mlp_fixed(x.clone(), w1.clone(), w2.clone())
+        expected = scaled_mlp(x, w1, w2)
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            raise Wrong(f"return the MLP's output, a tensor of shape {tuple(expected.shape)}, got {got!r:.80}")
+        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            peak = (x @ w1).abs().max().item()
+            when = (f"where the activations' largest magnitude ({peak:.3g}) is past the limit, so they must be scaled "
+                    "by limit / peak" if peak > 4.0 else f"where the activations stay within the limit ({peak:.3g} ≤ 4), "
+                    "so they must be left as they are")
+            raise Wrong(f"your function computes something else than scaled_mlp on inputs {when}; keep what it computes, "
+                        "change only how (the branch becomes arithmetic on tensors)")
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's own advice on stderr; the breaks are reported below
+        explanation = torch._dynamo.explain(scaled_mlp_fixed)(*_inputs("large", 5))
+    torch._dynamo.reset()
+    if explanation.graph_break_count or explanation.graph_count != 1:
+        reasons = "; ".join(dict.fromkeys(r.reason.splitlines()[0] for r in explanation.break_reasons)) or "no graph"
+        raise Wrong(f"torch._dynamo.explain still finds {explanation.graph_count} graph(s) and "
+                    f"{explanation.graph_break_count} graph break(s) in your function ({reasons}). Keep the peak a tensor "
+                    "(no .item()) and replace the `if` on data by torch.where or a clamp")
+    return "same results as scaled_mlp with and without scaling, in one graph: no .item(), no branch on data."
+
+
+# ----- q4: which attention backend ran ---------------------------------------------------------------------------------
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+
+# Names from profiles of one forward and backward of F.scaled_dot_product_attention under each forced backend: the
+# operators and, on a GPU, the kernels (shortened where they run long).
+_GPU_PROFILES = {
+    "flash": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
+              "aten::_flash_attention_forward",
+              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+              "cutlass::bfloat16_t>, false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+              "aten::_scaled_dot_product_flash_attention_backward", "aten::_flash_attention_backward",
+              "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8>>"
+              "(pytorch_flash::Flash_bwd_params)", "void pytorch_flash::flash_bwd_convert_dq_kernel<...>"],
+    "efficient": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
+                  "aten::_efficient_attention_forward",
+                  "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+                  "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+                  "aten::_scaled_dot_product_efficient_attention_backward", "aten::_efficient_attention_backward",
+                  "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)"],
+    "cudnn": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention",
+              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+              "aten::_scaled_dot_product_cudnn_attention_backward",
+              "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_5_64x128x128_4x2x1_kernel0_0"],
+    "math": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math", "aten::matmul",
+             "aten::bmm", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_"
+             "segment_k_off_kernel__5x_cublas", "aten::_safe_softmax", "aten::_softmax",
+             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float, c10::BFloat16>",
+             "aten::_softmax_backward_data", "aten::masked_fill"],
+}
+_CPU_PROFILES = {
+    "flash": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::empty_like", "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::zeros"],
+    "math": ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math", "aten::matmul",
+             "aten::bmm", "aten::_safe_softmax", "aten::softmax", "aten::_softmax", "aten::_softmax_backward_data"],
+}
+
+
+def profile_names(backend: str | None, device=None, dtype=None) -> list[str] | None:
+    """The operator (and kernel) names of a profile of one forward and backward of ``F.scaled_dot_product_attention``
+    on ``device``, under ``backend`` forced with ``sdpa_kernel`` (None: PyTorch's choice); None where that backend
+    cannot run here."""
+    device = get_device(device)
+    cuda = device.type == "cuda"
+    if dtype is None:  # flash and cuDNN attention need 16-bit inputs; bf16 where the GPU has it natively
+        dtype = torch.float32 if not cuda else (
+            torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16)
+    q, k, v = (torch.randn(2, 4, 128, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Flash attention kernel not used because ...": the reason, as a warning
+            with sdpa_kernel(BACKENDS[backend]) if backend else _nothing(), profile(activities=activities) as prof:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                sync(device)
+    except RuntimeError:
+        return None
+    return list(dict.fromkeys(e.name for e in prof.events()))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check_backend(attention_backend) -> str:
+    if not callable(attention_backend):
+        raise Wrong("pass your function itself: `q4.check(attention_backend)`")
+    cases = [(f"a GPU profile under the {b} backend", b, names) for b, names in _GPU_PROFILES.items()]
+    cases += [(f"a CPU profile under the {b} backend", b, names) for b, names in _CPU_PROFILES.items()]
+    here = []
+    for backend in BACKENDS:  # profiles taken now, on this machine, with each backend that runs here forced
+        names = profile_names(backend)
+        if names is not None:
+            cases.append((f"your machine's profile under the {backend} backend", backend, names))
+            here.append(backend)
+    for what, expected, names in cases:
+        got = attention_backend(list(names))
+        if got != expected:
+            hint = {
+                "cudnn": " cuDNN's attention kernels have 'flash' in their names too (…sdpa_sm90_flash_fprop…): look for "
+                         "the cuDNN operator or kernel first." if got == "flash" else
+                         " Its operator is _scaled_dot_product_cudnn_attention, its kernels cudnn…sdpa….",
+                "efficient": " Memory-efficient attention's operator is _scaled_dot_product_efficient_attention, its "
+                             "kernels CUTLASS's fmha_cutlassF/B.",
+                "flash": " Flash attention's operator is _scaled_dot_product_flash_attention (…_for_cpu on a CPU), its "
+                         "kernels pytorch_flash's.",
+                "math": " Every profile holds aten::scaled_dot_product_attention, whichever backend ran: the backend "
+                        "is the operator it called (_scaled_dot_product_attention_math: the math backend).",
+            }[expected]
+            raise Wrong(f"for {what} your function says {got!r}; the backend that ran is {expected!r}.{hint}")
+    return f"right on GPU and CPU profiles of every backend, and on your machine's ({', '.join(here)})."
+
+
+# ----- the questions ------------------------------------------------------------------------------------------------
+
+q1 = Question(
+    lesson="09", number=1, title="FLOPs per token of a GPT", checker=_check_flops_per_token,
+    hint_text="Count the matmul weights: per block 3·d² (q, k, v), d² (projection) and 2·4·d² (the MLP), and the head "
+              "d·V (tied to the embedding: counted once). A training step costs 6 FLOPs per weight per token (2 "
+              "forward, 4 backward). Attention's two matmuls over T positions add 4·T·d per layer forward, 12·L·T·d for "
+              "training. The 6·N + 12·L·d·T rule, with N all parameters except the position embedding, is close enough.",
+    solution_text="""
+def flops_per_token(n_layer, n_head, n_embd, seq_len, vocab_size):
+    weights = n_layer * 12 * n_embd**2 + n_embd * vocab_size   # q/k/v, projection, MLP; the (tied) head
+    attention = 4 * n_layer * seq_len * n_embd                 # scores and weighted sum, forward
+    return 3 * (2 * weights + attention)                       # forward + backward = 3 × forward
+""",
+)
+
+q2 = Question(
+    lesson="09", number=2, title="MFU against the right ceiling", checker=_check_mfu,
+    hint_text="Under autocast the matmuls run in its dtype (bf16 or fp16), whatever the TF32 switch says; without "
+              "autocast they run in TF32 when the switch is on and the GPU has TF32 (a 'tf32' ceiling exists), else in "
+              "fp32. MFU = flops_per_step / seconds_per_step / (that ceiling × 1e12), a fraction.",
+    solution_text="""
+def step_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    if autocast_dtype == torch.bfloat16:
+        precision = "bf16"
+    elif autocast_dtype == torch.float16:
+        precision = "fp16"
+    else:
+        precision = "tf32" if tf32 and "tf32" in ceilings_tflops else "fp32"
+    return flops_per_step / seconds_per_step / (ceilings_tflops[precision] * 1e12)
+""",
+)
+
+q3 = Question(
+    lesson="09", number=3, title="find and fix a graph break", checker=_check_graph_break,
+    hint_text="`torch._dynamo.explain(scaled_mlp)(x, w1, w2)` lists the breaks: `.item()` and the `if` on its value. "
+              "Keep the peak a tensor, `h.abs().amax()`, and write the branch as arithmetic: "
+              "`torch.where(peak > limit, h * (limit / peak), h)`.",
+    solution_text="""
+def scaled_mlp_fixed(x, w1, w2, limit=4.0):
+    h = x @ w1
+    peak = h.abs().amax()                                   # a tensor: no sync, no break
+    h = torch.where(peak > limit, h * (limit / peak), h)    # the branch as data
+    return torch.relu(h) @ w2
+""",
+)
+
+q4 = Question(
+    lesson="09", number=4, title="prove which attention backend ran", checker=_check_backend,
+    hint_text="Every profile has aten::scaled_dot_product_attention; what tells the backends apart is what it called: "
+              "an operator with 'cudnn_attention' or a cudnn…sdpa kernel (check it first: its kernels say 'flash' too), "
+              "'flash_attention' or pytorch_flash kernels, 'efficient_attention' or fmha_cutlass kernels, else "
+              "_scaled_dot_product_attention_math (bmm and softmax).",
+    solution_text="""
+def attention_backend(names):
+    joined = " ".join(names).lower()
+    if "cudnn_attention" in joined or ("cudnn" in joined and "sdpa" in joined):
+        return "cudnn"
+    if "flash_attention" in joined or "pytorch_flash" in joined:
+        return "flash"
+    if "efficient_attention" in joined or "fmha_cutlass" in joined:
+        return "efficient"
+    return "math"
+""",
+)

@@ -1,0 +1,251 @@
+"""gpulab.flops: FLOPs counted by FlopCounterMode agree with the analytic rule, the ceiling search picks the fastest shape
+(tested with injected timings, never a threshold on real ones), and MFU divides by the ceiling of the step's own
+precision."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gpulab import flops, text
+from gpulab.device import DeviceInfo
+from gpulab.models import TutorialCNN
+
+# (n_layer, n_head, n_embd, seq_len, vocab_size, batch): the lesson's quick GPT, a wider one with a padded vocabulary,
+# GPT-2 small at full length (on the meta device: shapes only, no arithmetic)
+CONFIGS = [(2, 4, 64, 64, 257, 4), (3, 6, 96, 128, 320, 2), (12, 12, 768, 1024, 50304, 1)]
+
+
+def gpt(n_layer, n_head, n_embd, seq_len, vocab_size, device="cpu", **options):
+    cfg = text.GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd, **options)
+    with torch.device(device):
+        return text.GPT(cfg)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["quick", "padded-vocabulary", "gpt2-small"])
+@pytest.mark.parametrize("attention", ["manual", "sdpa"])
+def test_the_count_of_every_matmul_agrees_with_flop_counter_mode(config, attention):
+    *shape, batch = config
+    device = "meta" if shape[2] >= 768 else "cpu"
+    model = gpt(*shape, device=device, attention=attention)
+    idx = torch.randint(0, shape[4], (batch, shape[3]), device=device)
+    with sdpa_kernel(SDPBackend.MATH):  # the model's FLOPs: attention's backward without flash's recomputation
+        counted = flops.training_flops(model, idx, idx)
+    on_paper = flops.gpt_flops_per_token(shape[0], shape[2], shape[3], shape[4]) * batch * shape[3]
+    assert counted.total == on_paper
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["quick", "padded-vocabulary", "gpt2-small"])
+def test_the_rule_of_thumb_is_within_5_percent(config):
+    n_layer, n_head, n_embd, seq_len, vocab_size, _ = config
+    model = gpt(n_layer, n_head, n_embd, seq_len, vocab_size, device="meta")
+    rule = flops.rule_flops_per_token(text.parameters(model, position=False), n_layer, n_embd, seq_len)
+    exact = flops.gpt_flops_per_token(n_layer, n_embd, seq_len, vocab_size)
+    assert abs(rule / exact - 1) < 0.05
+    assert flops.gpt_flops_per_token(n_layer, n_embd, seq_len, vocab_size, training=False) * 3 == exact
+
+
+def test_the_lessons_full_size_gpt_is_50_to_124_million_parameters_and_the_rule_holds():
+    model = gpt(8, 12, 768, 1024, text.VOCAB, device="meta")
+    n = text.parameters(model)
+    assert 50e6 <= n <= 124e6
+    rule = flops.rule_flops_per_token(text.parameters(model, position=False), 8, 768, 1024)
+    assert abs(rule / flops.gpt_flops_per_token(8, 768, 1024, text.VOCAB) - 1) < 0.05
+
+
+def test_the_cpus_flash_attention_is_counted_with_its_recomputation():
+    """FlopCounterMode alone counts the CPU's flash kernel as zero; gpulab adds the GPU kernels' formulas for it: the
+    backward pass recomputes the scores, one matmul of 2·B·T²·d per layer more than the model's FLOPs."""
+    n_layer, n_head, n_embd, seq_len, vocab_size, batch = CONFIGS[0]
+    model = gpt(n_layer, n_head, n_embd, seq_len, vocab_size, attention="sdpa")
+    idx = torch.randint(0, vocab_size, (batch, seq_len))
+    as_run = flops.training_flops(model, idx, idx).total
+    with sdpa_kernel(SDPBackend.MATH):
+        model_flops = flops.training_flops(model, idx, idx).total
+    assert as_run - model_flops == n_layer * 2 * batch * seq_len**2 * n_embd
+    assert "_scaled_dot_product_flash_attention_for_cpu" in " ".join(flops.count(
+        lambda: model(idx, idx).backward()).by_operator())
+
+
+def test_checkpointing_adds_the_blocks_forward_to_the_hardware_flops():
+    n_layer, n_head, n_embd, seq_len, vocab_size, batch = CONFIGS[0]
+    plain = gpt(n_layer, n_head, n_embd, seq_len, vocab_size)
+    recomputed = gpt(n_layer, n_head, n_embd, seq_len, vocab_size, checkpoint=True)
+    idx = torch.randint(0, vocab_size, (batch, seq_len))
+    model_flops = flops.training_flops(plain, idx, idx).total
+    hardware = flops.training_flops(recomputed, idx, idx).total
+    blocks_forward = n_layer * (2 * 12 * n_embd**2 + 4 * seq_len * n_embd) * batch * seq_len
+    last_matmul = n_layer * 2 * 4 * n_embd**2 * batch * seq_len  # fc2: its output is not needed by the backward pass,
+    assert hardware - model_flops == blocks_forward - last_matmul  # so non-reentrant checkpointing stops before it
+
+
+def test_training_flops_counts_a_cnn_with_a_loss_and_leaves_the_gradients_alone():
+    model = TutorialCNN()
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    F.cross_entropy(model(x), y).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    counted = flops.training_flops(model, x, y, loss_fn=F.cross_entropy)
+    assert counted.total > 0 and set(counted.by_operator()) >= {"convolution", "convolution_backward"}
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+    with_optimizer_step = flops.count(lambda: (F.cross_entropy(model(x), y).backward(),
+                                               torch.optim.SGD(model.parameters(), lr=0.1).step()))
+    assert with_optimizer_step.total == counted.total  # an optimizer's step does no matmul
+
+
+def test_the_flop_table_starts_with_the_total_and_splits_it_by_module():
+    model = gpt(*CONFIGS[0][:5])
+    idx = torch.randint(0, 257, (2, 64))
+    counted = flops.training_flops(model, idx, idx)
+    table = counted.table(depth=2)
+    assert table.iloc[0].module == "total" and table.iloc[0].flops == counted.total
+    assert math.isclose(table.iloc[1:]["share"].sum(), 1.0)  # blocks and head: every matmul once
+    assert counted.per(2 * 64) == counted.total / 128
+
+
+# ----- which precision, and its ceiling ------------------------------------------------------------------------------
+
+def fake_gpu(monkeypatch, capability):
+    info = DeviceInfo(device="cuda:0", name="NVIDIA H100 80GB HBM3", torch_version=torch.__version__,
+                      compute_capability=capability, tf32=capability >= (8, 0), bf16_native=capability >= (8, 0),
+                      tensor_cores=True)
+    monkeypatch.setattr(flops, "device_info", lambda device=None: info)
+    monkeypatch.setattr(flops, "get_device", lambda device=None: torch.device("cpu"))
+    return info
+
+
+def test_autocast_decides_the_precision_whatever_the_tf32_switch_says(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    assert flops.precision_of(torch.bfloat16, tf32=True) == "bf16"
+    assert flops.precision_of(torch.float16, tf32=True) == "fp16"
+    assert flops.precision_of(None, tf32=True) == "tf32"
+    assert flops.precision_of(torch.float32, tf32=False) == "fp32"
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        flops.precision_of(torch.float64)
+
+
+def test_the_tf32_switch_is_read_as_the_course_sets_it(monkeypatch):
+    fake_gpu(monkeypatch, (8, 0))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert flops.precision_of() == "tf32" and torch.backends.cuda.matmul.allow_tf32  # the legacy reader agrees
+        torch.set_float32_matmul_precision("highest")
+        assert flops.precision_of() == "fp32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_no_tf32_before_ampere_and_on_a_cpu(monkeypatch):
+    assert flops.precision_of(None, tf32=True, device="cpu") == "fp32"
+    assert flops.precisions_here("cpu") == ["fp32", "bf16"]
+    fake_gpu(monkeypatch, (7, 5))  # a T4
+    assert flops.precision_of(None, tf32=True) == "fp32"
+    assert flops.precisions_here() == ["fp32", "fp16"]
+    fake_gpu(monkeypatch, (9, 0))
+    assert flops.precisions_here() == ["fp32", "tf32", "fp16", "bf16", "fp8"]
+
+
+def test_datasheet_figures_are_dense_and_only_for_known_gpus():
+    assert flops.datasheet("NVIDIA H100 80GB HBM3", "bf16") == 989.5  # dense; "with sparsity" would be 1979
+    assert flops.datasheet("NVIDIA H100 80GB HBM3", "fp8") == pytest.approx(1978.9)
+    assert flops.datasheet("NVIDIA A100-SXM4-80GB", "fp8") is None  # no fp8 on an A100
+    assert flops.datasheet("AMD EPYC 7B13", "fp32") is None
+
+
+def test_the_ceiling_is_the_fastest_shapes_median_and_slow_shapes_are_skipped(monkeypatch):
+    """The search's decisions, with injected timings: 50 TFLOP/s at the small square, 80 at the flat shape; the large
+    square would take 0.5 s a product and is not tried."""
+    rates = {64: 50e12, 96: 80e12}
+    tried = []
+
+    def timed(product, count, device):
+        m, k = product.args[0].shape
+        n = product.args[1].shape[1]
+        tried.append((m, n, k))
+        return [2 * m * n * k / rates.get(m, 1e12)] * count
+
+    monkeypatch.setattr(flops, "_timed", timed)
+    monkeypatch.setattr(flops, "MAX_PRODUCT_S", 1e-6)  # at these rates, the 8192³ product is "too slow"
+    flops._measured_ceiling.cache_clear()
+    shapes = [(64, 64, 64), (96, 32, 64), (8192, 8192, 8192)]
+    peak = flops.ceiling("fp32", "cpu", shapes=shapes, seconds=0.01)
+    assert peak.shape == (96, 32, 64) and peak.tflops == pytest.approx(80.0)
+    assert set(peak.by_shape) == {(64, 64, 64), (96, 32, 64)} and (8192, 8192, 8192) not in tried
+    assert "fp32 ceiling 80" in str(peak) and peak.row()["m"] == 96
+    flops._measured_ceiling.cache_clear()
+
+
+def test_a_real_ceiling_on_the_cpu_is_measured_once_per_process():
+    flops._measured_ceiling.cache_clear()
+    first = flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002)
+    assert first.precision == "fp32" and first.tflops == max(first.by_shape.values()) > 0
+    assert flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002) is first
+    with pytest.raises(ValueError, match="no tf32 ceiling"):
+        flops.ceiling("tf32", "cpu")
+    with pytest.raises(ValueError, match="unknown precision"):
+        flops.ceiling("int8", "cpu")
+
+
+def test_measuring_fp32_or_tf32_sets_the_switch_only_while_it_measures():
+    before = torch.get_float32_matmul_precision()
+    with flops._matmul_precision("tf32", cuda=True):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32
+    with flops._matmul_precision("fp32", cuda=True):
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32
+    assert torch.get_float32_matmul_precision() == before
+
+
+# ----- MFU and HFU -----------------------------------------------------------------------------------------------------
+
+CEILINGS = {"fp32": flops.Ceiling("fp32", 50.0), "tf32": flops.Ceiling("tf32", 400.0),
+            "bf16": flops.Ceiling("bf16", 800.0, datasheet_tflops=989.5)}
+
+
+def test_a_bf16_step_is_divided_by_the_bf16_ceiling_not_tf32s():
+    u = flops.mfu(4e14, 1.0, CEILINGS, precision="bf16")  # 400 TFLOP/s of model FLOPs
+    assert u.ceiling_tflops == 800.0 and u.mfu == pytest.approx(0.5)
+    assert flops.mfu(4e14, 1.0, CEILINGS, precision="tf32").mfu == pytest.approx(1.0)  # what torchtitan #668 reported
+    assert u.of_datasheet == pytest.approx(400 / 989.5)
+
+
+def test_another_precisions_ceiling_is_refused():
+    with pytest.raises(ValueError, match="a bf16 step divided by the tf32 ceiling"):
+        flops.mfu(4e14, 1.0, CEILINGS["tf32"], precision="bf16")
+    with pytest.raises(ValueError, match="no measured fp16 ceiling"):
+        flops.mfu(4e14, 1.0, CEILINGS, precision="fp16")
+    with pytest.raises(ValueError, match="pass precision"):
+        flops.mfu(4e14, 1.0, CEILINGS)
+    with pytest.raises(TypeError, match="flops.Ceiling"):
+        flops.mfu(4e14, 1.0, 989.5, precision="bf16")
+    for bad in (0, -1.0, math.nan, True):
+        with pytest.raises(ValueError, match="positive number"):
+            flops.mfu(bad, 1.0, CEILINGS["bf16"])
+
+
+def test_hfu_counts_recomputed_flops_and_impossible_numbers_are_flagged():
+    u = flops.mfu(3e14, 1.0, CEILINGS["bf16"], hardware_flops=4e14)
+    assert u.mfu == pytest.approx(3 / 8) and u.hfu == pytest.approx(0.5)
+    assert "HFU 50.0%" in str(u) and not u.warning and u.row()["hfu"] == pytest.approx(0.5)
+    assert flops.mfu(3e14, 1.0, CEILINGS["bf16"]).row()["hfu"] is None
+    too_much = flops.mfu(1.04 * 8e14, 1.0, CEILINGS["bf16"])  # nanoGPT PR #464: 104 %
+    assert too_much.mfu > 1 and "above 100 %" in too_much.warning and "above 100 %" in str(too_much)
+
+
+def test_a_ceiling_must_be_a_positive_rate_of_a_known_precision():
+    with pytest.raises(ValueError):
+        flops.Ceiling("bf16", 0.0)
+    with pytest.raises(ValueError):
+        flops.Ceiling("int4", 10.0)
+
+
+@pytest.mark.gpu
+def test_gpu_ceilings_are_measured_for_every_native_precision():
+    flops._measured_ceiling.cache_clear()
+    found = flops.ceilings(device="cuda")
+    assert set(found) == set(flops.precisions_here("cuda"))
+    for p, c in found.items():
+        assert c.tflops > 0 and c.shape in c.by_shape
+        if c.datasheet_tflops:  # a measured ceiling above the dense datasheet figure would mean a wrong count or clock
+            assert c.tflops < 1.05 * c.datasheet_tflops, p

@@ -1,0 +1,368 @@
+"""Lesson 09: the text and the GPT the lesson writes out, and the exercise checks: each question accepts the solution it
+shows and an unusual right answer, calls a blank answer "not attempted", and rejects plausible wrong answers with a
+message that names the mistake. No check times the learner's code."""
+
+import nbformat
+import pytest
+import torch
+
+from gpulab import text
+from gpulab.check import ____
+from gpulab.questions import lesson09
+
+from .conftest import ROOT, shown_solution
+
+
+def blank_function(*args, **kwargs):
+    raise NotImplementedError
+
+
+def right(question, name):
+    return shown_solution(question, name, torch=torch)
+
+
+# ----- the text and the model ---------------------------------------------------------------------------------------
+
+def test_python_source_is_bytes_with_an_end_of_file_token_between_files():
+    tokens = text.python_source(max_bytes=300_000)
+    assert tokens.dtype == torch.int64 and len(tokens) == 300_000
+    assert tokens.min() >= 0 and tokens.max() == text.EOT and (tokens == text.EOT).sum() >= 1
+    assert torch.equal(tokens, text.python_source(max_bytes=300_000))  # the same text every time
+    first = text.source_files()[0].read_bytes()
+    assert bytes(tokens[:len(first)].tolist()) == first and tokens[len(first)] == text.EOT
+    assert not any(part in {"test", "site-packages"} for path in text.source_files() for part in path.parts[-3:-1])
+
+
+def test_batches_are_windows_and_their_next_tokens_and_decode_reads_them():
+    tokens = text.python_source(max_bytes=50_000)
+    train, val = text.split(tokens, 0.1)
+    assert len(train) == 45_000 and torch.equal(torch.cat([train, val]), tokens)
+    x, y = text.batch(train, 4, 32, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = text.batch(train, 4, 32, torch.Generator().manual_seed(0))
+    assert torch.equal(x, x2)
+    assert text.decode([104, 105, text.EOT, 33]) == "hi\n<EOT>\n!"
+
+
+def lesson_model_cell():
+    nb = nbformat.read(ROOT / "notebooks" / "09_transformers.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and "class GPT(nn.Module)" in c.source)
+
+
+def lesson_model():
+    """The lesson's GPTConfig and GPT, as its cell defines them."""
+    import dataclasses
+    import math
+
+    from torch.utils.checkpoint import checkpoint
+
+    source = lesson_model_cell().split("\ncfg = GPTConfig(**SIZE)")[0]
+    scope = {"__name__": "lesson09_cell", "math": math, "torch": torch, "nn": torch.nn, "F": torch.nn.functional,
+             "text": text, "dataclass": dataclasses.dataclass, "checkpoint": checkpoint}
+    exec(compile(source, "<lesson 09's model cell>", "exec"), scope)
+    return scope["GPTConfig"], scope["GPT"]
+
+
+@pytest.mark.parametrize("options", [{}, {"attention": "sdpa", "checkpoint": True}, {"padded_vocab": 320}])
+def test_the_gpt_the_lesson_writes_out_is_gpulabs(options):
+    """The exercise checks and these tests build gpulab.text.GPT; the lesson writes it out in a cell: the same model."""
+    GPTConfig, GPT = lesson_model()
+    size = dict(seq_len=32, n_layer=2, n_head=2, n_embd=32, **options)
+    ours, theirs = text.GPT(text.GPTConfig(**size), seed=3), GPT(GPTConfig(**size), seed=3)
+    idx = torch.randint(0, text.VOCAB, (2, 32))
+    assert torch.equal(ours(idx), theirs(idx)) and ours(idx).shape == (2, 32, text.VOCAB)
+    assert torch.equal(ours(idx, idx), theirs(idx, idx))
+
+
+def test_padding_the_vocabulary_changes_no_weight_and_no_loss():
+    cfg = dict(seq_len=32, n_layer=2, n_head=2, n_embd=32)
+    plain, padded = text.GPT(text.GPTConfig(**cfg)), text.GPT(text.GPTConfig(**cfg, padded_vocab=320))
+    assert padded.wte.weight.shape == (320, 32) and torch.equal(padded.wte.weight[:text.VOCAB], plain.wte.weight)
+    idx = torch.randint(0, text.VOCAB, (2, 32))
+    assert torch.allclose(plain(idx, idx), padded(idx, idx))
+
+
+# ----- q1: FLOPs per token ----------------------------------------------------------------------------------------------
+
+def per_token_from_the_rule(n_layer, n_head, n_embd, seq_len, vocab_size):
+    """Unusual but right: 6·N + 12·L·d·T with N counted parameter by parameter, biases and LayerNorms included."""
+    per_block = (3 * n_embd * n_embd + 3 * n_embd) + (n_embd * n_embd + n_embd) + (4 * n_embd * n_embd + 4 * n_embd) \
+        + (4 * n_embd * n_embd + n_embd) + 4 * n_embd
+    n = n_layer * per_block + 2 * n_embd + vocab_size * n_embd
+    return 6 * n + 12 * n_layer * n_embd * seq_len
+
+
+def params(n_layer, n_embd, vocab_size):
+    return n_layer * (12 * n_embd**2 + 13 * n_embd) + 2 * n_embd + vocab_size * n_embd
+
+
+def six_n_only(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * params(n_layer, n_embd, vocab_size)
+
+
+def forward_only(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 2 * params(n_layer, n_embd, vocab_size) + 4 * n_layer * n_embd * seq_len
+
+
+def causal_half(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * params(n_layer, n_embd, vocab_size) + 6 * n_layer * n_embd * seq_len
+
+
+def with_position_embedding(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * (params(n_layer, n_embd, vocab_size) + seq_len * n_embd) + 12 * n_layer * n_embd * seq_len
+
+
+def head_counted_twice(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * (params(n_layer, n_embd, vocab_size) + vocab_size * n_embd) + 12 * n_layer * n_embd * seq_len
+
+
+def head_left_out(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * params(n_layer, n_embd, 0) + 12 * n_layer * n_embd * seq_len
+
+
+def heads_multiply(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return 6 * params(n_layer, n_embd, vocab_size) + 12 * n_layer * n_embd * seq_len * n_head
+
+
+def per_sequence(n_layer, n_head, n_embd, seq_len, vocab_size):
+    return seq_len * per_token_from_the_rule(n_layer, n_head, n_embd, seq_len, vocab_size)
+
+
+def counts_with_flop_counter_mode(n_layer, n_head, n_embd, seq_len, vocab_size):
+    """Right number, wrong way: the question asks for the formula."""
+    return lesson09.counted_flops_per_token.__wrapped__(n_layer, n_head, n_embd, seq_len, vocab_size)
+
+
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q1, "flops_per_token"), lambda: per_token_from_the_rule],
+                         ids=["shown", "rule-of-thumb"])
+def test_q1_accepts_right_answers(answer):
+    lesson09.q1.check(answer())
+    assert lesson09.q1.last.status == "correct", lesson09.q1.last.message
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (six_n_only, "leaves out attention"),
+    (forward_only, "forward pass only"),
+    (causal_half, "halves attention for the causal mask"),
+    (with_position_embedding, "position embedding"),
+    (head_counted_twice, "counted once"),
+    (head_left_out, "head's matmul is missing"),
+    (heads_multiply, "heads split d"),
+    (per_sequence, "per sequence"),
+    (counts_with_flop_counter_mode, "on paper"),
+    (lambda *cfg: "6N", "return a number"),
+    (42, "pass your function itself"),
+])
+def test_q1_rejects_plausible_wrong_answers(wrong, says):
+    lesson09.q1.check(wrong)
+    assert lesson09.q1.last.status == "wrong"
+    assert says in lesson09.q1.last.message, lesson09.q1.last.message
+
+
+# ----- q2: MFU against the right ceiling -----------------------------------------------------------------------------
+
+MEASURED = (2.4e9, 0.03, {"fp32": 0.09, "bf16": 0.003})  # a CPU's step and ceilings
+
+
+def mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    """Unusual but right: a table from the dtype to the precision."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    precision = names.get(autocast_dtype) or ("tf32" if tf32 and "tf32" in ceilings_tflops else "fp32")
+    return flops_per_step / seconds_per_step / 1e12 / ceilings_tflops[precision]
+
+
+def tf32_whenever_it_is_on(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    """torchtitan #668: a bf16 run divided by the TF32 peak."""
+    if tf32 and "tf32" in ceilings_tflops:
+        return flops_per_step / seconds_per_step / (ceilings_tflops["tf32"] * 1e12)
+    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops)
+
+
+def as_percentage(*args):
+    return 100 * mfu_by_lookup(*args)
+
+
+def tflops_not_scaled(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops) * 1e12
+
+
+def fastest_ceiling(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    return flops_per_step / seconds_per_step / (max(ceilings_tflops.values()) * 1e12)
+
+
+def ignores_autocast(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+    return mfu_by_lookup(flops_per_step, seconds_per_step, None, tf32, ceilings_tflops)
+
+
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q2, "step_mfu"), lambda: mfu_by_lookup],
+                         ids=["shown", "lookup"])
+def test_q2_accepts_right_answers_on_hand_made_and_measured_steps(answer):
+    lesson09.q2.check(answer(), *MEASURED)
+    assert lesson09.q2.last.status == "correct", lesson09.q2.last.message
+    assert "on yours" in lesson09.q2.last.message
+    lesson09.q2.check(answer())
+    assert lesson09.q2.last.status == "correct"
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (tf32_whenever_it_is_on, "TF32 ceiling"),
+    (as_percentage, "percentage"),
+    (tflops_not_scaled, "multiply by 1e12"),
+    (fastest_ceiling, "fastest ceiling"),
+    (ignores_autocast, "under autocast the matmuls run in bf16"),
+    (lambda *args: None, "as a fraction"),
+])
+def test_q2_rejects_plausible_wrong_answers(wrong, says):
+    lesson09.q2.check(wrong, *MEASURED)
+    assert lesson09.q2.last.status == "wrong"
+    assert says in lesson09.q2.last.message, lesson09.q2.last.message
+
+
+def test_q2_needs_the_measured_ceilings_as_a_dict():
+    lesson09.q2.check(mfu_by_lookup, 2.4e9, 0.03, [0.09])
+    assert lesson09.q2.last.status == "wrong" and "dict of TFLOP/s" in lesson09.q2.last.message
+
+
+# ----- q3: a graph break found and fixed ----------------------------------------------------------------------------------
+
+def scaled_by_clamp(x, w1, w2, limit=4.0):
+    """Unusual but right: the scale as a clamped factor."""
+    h = x @ w1
+    return torch.relu(h * torch.clamp(limit / h.abs().amax(), max=1.0)) @ w2
+
+
+def branch_dropped(x, w1, w2, limit=4.0):
+    return torch.relu(x @ w1) @ w2
+
+
+def always_scaled(x, w1, w2, limit=4.0):
+    h = x @ w1
+    return torch.relu(h * (limit / h.abs().amax())) @ w2
+
+
+def largest_value_not_magnitude(x, w1, w2, limit=4.0):
+    h = x @ w1
+    peak = h.amax()
+    return torch.relu(torch.where(peak > limit, h * (limit / peak), h)) @ w2
+
+
+def branch_on_a_tensor(x, w1, w2, limit=4.0):
+    h = x @ w1
+    peak = h.abs().amax()
+    if peak > limit:  # no .item(), still a branch on data
+        h = h * (limit / peak)
+    return torch.relu(h) @ w2
+
+
+def values_clamped(x, w1, w2, limit=4.0):
+    return torch.relu(torch.clamp(x @ w1, -limit, limit)) @ w2
+
+
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q3, "scaled_mlp_fixed"), lambda: scaled_by_clamp],
+                         ids=["shown", "clamp"])
+def test_q3_accepts_right_answers(answer):
+    lesson09.q3.check(answer())
+    assert lesson09.q3.last.status == "correct", lesson09.q3.last.message
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (lesson09.scaled_mlp, "graph break"),
+    (branch_on_a_tensor, "graph break"),
+    (branch_dropped, "past the limit"),
+    (always_scaled, "stay within the limit"),
+    (largest_value_not_magnitude, "past the limit"),
+    (values_clamped, "computes something else"),
+    (lambda x, w1, w2, limit=4.0: (x @ w1).tolist(), "return the MLP's output"),
+])
+def test_q3_rejects_plausible_wrong_answers(wrong, says):
+    lesson09.q3.check(wrong)
+    assert lesson09.q3.last.status == "wrong"
+    assert says in lesson09.q3.last.message, lesson09.q3.last.message
+
+
+# ----- q4: which attention backend ran ------------------------------------------------------------------------------------
+
+def by_operator(names):
+    """Unusual but right: the operator SDPA called, looked up by its name's end."""
+    ends = {"_cudnn_attention": "cudnn", "_flash_attention": "flash", "_flash_attention_for_cpu": "flash",
+            "_efficient_attention": "efficient", "_attention_math": "math"}
+    for name in names:
+        for end, backend in ends.items():
+            if name.startswith("aten::_scaled_dot_product") and name.endswith(end):
+                return backend
+    raise ValueError("no attention operator in the profile")
+
+
+def flash_first(names):
+    joined = " ".join(names).lower()
+    for word, backend in (("flash", "flash"), ("cudnn", "cudnn"), ("efficient", "efficient")):
+        if word in joined:
+            return backend
+    return "math"
+
+
+def kernels_only(names):
+    joined = " ".join(names).lower()
+    if "pytorch_flash" in joined:
+        return "flash"
+    if "fmha" in joined:
+        return "efficient"
+    if "cudnn" in joined:
+        return "cudnn"
+    return "math"
+
+
+def any_attention_is_flash(names):
+    return "flash" if any("scaled_dot_product_attention" in n for n in names) else "math"
+
+
+def efficient_forgotten(names):
+    joined = " ".join(names).lower()
+    if "cudnn" in joined:
+        return "cudnn"
+    return "flash" if "flash" in joined else "math"
+
+
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q4, "attention_backend"), lambda: by_operator],
+                         ids=["shown", "by-operator"])
+def test_q4_accepts_right_answers(answer):
+    lesson09.q4.check(answer())
+    assert lesson09.q4.last.status == "correct", lesson09.q4.last.message
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (flash_first, "'flash' in their names too"),
+    (kernels_only, "CPU profile"),
+    (any_attention_is_flash, "fmha_cutlassF"),
+    (efficient_forgotten, "fmha_cutlassF"),
+    (lambda names: 1, "the backend that ran is"),
+    ("flash", "pass your function itself"),
+])
+def test_q4_rejects_plausible_wrong_answers(wrong, says):
+    lesson09.q4.check(wrong)
+    assert lesson09.q4.last.status == "wrong"
+    assert says in lesson09.q4.last.message, lesson09.q4.last.message
+
+
+def test_the_profiles_recorded_here_name_the_forced_backend():
+    assert lesson09.profile_names("efficient", "cpu") is None  # not on a CPU
+    assert any(n.endswith("_attention_math") for n in lesson09.profile_names("math", "cpu"))
+    assert any(n.endswith("_flash_attention_for_cpu") for n in lesson09.profile_names(None, "cpu"))
+
+
+@pytest.mark.gpu
+def test_q4_is_right_on_this_gpus_own_profiles():
+    lesson09.q4.check(right(lesson09.q4, "attention_backend"))
+    assert lesson09.q4.last.status == "correct" and "your machine's" in lesson09.q4.last.message
+
+
+# ----- blanks ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("question, blank", [
+    (lesson09.q1, (blank_function,)), (lesson09.q1, (____,)),
+    (lesson09.q2, (blank_function, *MEASURED)), (lesson09.q2, (____, *MEASURED)),
+    (lesson09.q3, (blank_function,)), (lesson09.q4, (blank_function,)),
+])
+def test_blank_answers_are_not_attempted(question, blank):
+    question.check(*blank)
+    assert question.last.status == "not attempted"
