@@ -264,3 +264,9 @@ def test_relative_bars_and_top_operators_keep_their_labels_inside_the_axes():
     ax = plots.top_operators(table)
     assert _inside(ax)
     plt.close(ax.figure)
+
+
+def test_a_waterfall_names_what_a_dropped_step_lost():
+    ax = plots.waterfall(["bf16"], [1.8], kept=[False], accuracy_lost=[True], lost_label="loss rose")
+    assert "dropped: loss rose" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(ax.figure)
