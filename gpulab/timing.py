@@ -105,7 +105,9 @@ def bench(
     threads = threads or torch.get_num_threads()
     label = label or getattr(fn, "__name__", "fn")
     stmt = "fn(*args, **kwargs)" if args or kwargs else "fn()"
-    timer = timeit.Timer(stmt, timer=synced_clock, globals={"fn": fn, "args": args, "kwargs": kwargs})
+    # The clock waits for the GPU measured (cuda:1 is not waited for by a synchronize of the current device).
+    clock = functools.partial(synced_clock, device) if device.startswith("cuda") else synced_clock
+    timer = timeit.Timer(stmt, timer=clock, globals={"fn": fn, "args": args, "kwargs": kwargs})
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -128,11 +130,33 @@ def bench(
 MIN_RUNS, MAX_RUNS, RUNS_PER_MIN_TIME = 5, 10_000, 20
 
 
-def synced_clock() -> float:
-    """A host clock read only after all queued GPU work has finished."""
+def synced_clock(device: str | torch.device | int | None = None) -> float:
+    """A host clock read only after the GPU's queued work has finished.
+
+    ``device`` is the GPU measured: its queue is waited for, whichever device is current (a bare
+    ``torch.cuda.synchronize()`` waits for the current device only, so timing work on ``cuda:1`` from a process
+    whose current device is ``cuda:0`` would time only the launches). Without one, every GPU this process has
+    used is waited for. A CPU device waits for nothing.
+    """
+    if device is not None:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":
+            return time.perf_counter()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        for index in [device] if device is not None else used_gpus():
+            torch.cuda.synchronize(index)
     return time.perf_counter()
+
+
+def used_gpus() -> list[int]:
+    """The CUDA devices this process has used (those with a CUDA context): the ones that can have work queued.
+
+    Asking creates no context on the others. Where torch cannot tell, the current device.
+    """
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return [torch.cuda.current_device()]
+    return [index for index in range(torch.cuda.device_count()) if has_context(index)]
 
 
 def _warm_runs(timer: timeit.Timer, min_time: float) -> list[float]:
@@ -163,6 +187,7 @@ def _sized_block(timer: timeit.Timer, target: float) -> tuple[int, float]:
 def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | None, min_time: float) -> list[float]:
     """One call per run, each after ``flush()``: ``repeats`` runs, or as many as fit in about ``min_time``."""
     cuda = device.startswith("cuda")
+    stream = torch.cuda.current_stream(device) if cuda else None  # the measured GPU's stream, not the current GPU's
     times, events, start = [], [], time.perf_counter()
     for run in range(repeats or MAX_RUNS):
         if repeats is None and run >= MIN_RUNS and time.perf_counter() - start >= min_time:
@@ -170,14 +195,14 @@ def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | Non
         flush()
         if cuda:  # events on the GPU's stream time the call alone, not the flush queued before it
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+            begin.record(stream)
             call()
-            end.record()
+            end.record(stream)
             events.append((begin, end))
         else:
             times.append(timer.timeit(1))
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
     return times
 

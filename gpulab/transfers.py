@@ -98,7 +98,8 @@ class Timeline:
         columns = ["lane", "kind", "start_ms", "end_ms"]
         if not self._spans:
             return pd.DataFrame(columns=columns)
-        torch.cuda.synchronize()
+        for *_, end in self._spans:  # wait for each span's own GPU (a bare synchronize() waits for the current one)
+            end.synchronize()
         origin = self._spans[0][2]
         rows = [(lane, kind, origin.elapsed_time(s), origin.elapsed_time(e)) for lane, kind, s, e in self._spans]
         frame = pd.DataFrame(rows, columns=columns)

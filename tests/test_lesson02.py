@@ -153,6 +153,37 @@ def test_an_empty_timeline_has_its_columns():
     assert list(Timeline().frame().columns) == ["lane", "kind", "start_ms", "end_ms"]
 
 
+def test_timeline_waits_for_its_own_events_not_the_current_gpu(monkeypatch):
+    """Spans recorded on another GPU's streams are waited for: the frame synchronises each span's end event, never
+    just the current device."""
+    waited = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing=False, **_):
+            self.at = None
+
+        def record(self, stream=None):
+            Event.clock += 1.0
+            self.at = Event.clock
+
+        def synchronize(self):
+            waited.append(self.at)
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronised the current GPU"))
+    timeline = Timeline()
+    for lane in ("copy stream", "compute stream"):
+        with timeline.span(lane, "work"):
+            pass
+    spans = timeline.frame()
+    assert waited == [2.0, 4.0] and list(spans["start_ms"]) == [0.0, 2.0] and list(spans["end_ms"]) == [1.0, 3.0]
+
+
 @pytest.mark.gpu
 def test_timeline_and_pinned_sweep_on_the_gpu(results_dir):
     device = torch.device("cuda")

@@ -70,6 +70,33 @@ def test_device_support_and_measured_peak_here():
     assert n == 64 and peak > 0
 
 
+def test_matmul_peak_times_its_products_on_the_stream_of_the_device_measured(monkeypatch):
+    """With cuda:1 measured while cuda:0 is current, events recorded on the current stream would time only the
+    launches: they go on cuda:1's stream, where the products run, and the last one is waited for."""
+    streams, waited = [], []
+
+    class Event:
+        def __init__(self, enable_timing=False, **_):
+            pass
+
+        def record(self, stream=None):
+            streams.append(stream)  # None: the current device's current stream
+
+        def synchronize(self):
+            waited.append(self)
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", torch.device(device).index))
+    calls = []
+    times = precision._timed_products(lambda: calls.append(1), 3, torch.device("cuda", 1))
+    assert calls == [1, 1, 1] and times == [0.002] * 3
+    assert streams == [("stream of", 1)] * 4 and len(waited) == 1
+    assert precision._timed_products(lambda: None, 2, torch.device("cpu")) and streams == [("stream of", 1)] * 4
+
+
 # ---- checkpoints keep the GradScaler's state ------------------------------------------------------------------
 
 

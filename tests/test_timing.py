@@ -168,3 +168,98 @@ def test_gpu_cold_timing_times_the_call_not_the_flush():
     cold = bench(lambda: x.mul_(1.0), cache="cold", repeats=20)
     flush = bench(timing._cache_flush("cuda:0"), repeats=5)
     assert cold.median < flush.median / 2
+
+
+# ---- the clock waits for the GPU measured, not the current one ------------------------------------------------
+
+
+class TwoGpus:
+    """torch.cuda as a process with two GPUs sees it, on a CPU: cuda:0 current, only ``used`` with a context;
+    ``synced`` lists the device of every synchronize() (None: the current device)."""
+
+    def __init__(self, monkeypatch, used=(0, 1)):
+        self.synced, self.recorded = [], []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.synced.append(_index(device)))
+        monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda index: index in used, raising=False)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", _index(device)))
+        recorded = self.recorded
+
+        class Event:
+            def __init__(self, enable_timing=False, **_):
+                self.stream = None
+
+            def record(self, stream=None):
+                recorded.append(stream)  # None: the current device's current stream
+                self.stream = stream
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return 1.0
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def _index(device):
+    if device is None:
+        return None
+    return device if isinstance(device, int) else torch.device(device).index
+
+
+def test_synced_clock_waits_for_the_device_it_is_given(monkeypatch):
+    from gpulab.timing import synced_clock
+
+    gpus = TwoGpus(monkeypatch)
+    synced_clock("cuda:1")
+    synced_clock(torch.device("cuda", 1))
+    synced_clock(1)
+    assert gpus.synced == [1, 1, 1]  # never the current device, cuda:0
+    synced_clock("cpu")
+    assert gpus.synced == [1, 1, 1]  # a CPU measurement waits for no GPU
+
+
+def test_synced_clock_without_a_device_waits_for_every_gpu_in_use(monkeypatch):
+    """gpulab.compare (and notebooks) read it without a device: then no GPU that holds work is left out, and none
+    that this process never touched gets a context."""
+    from gpulab.timing import synced_clock
+
+    gpus = TwoGpus(monkeypatch, used=(1,))
+    synced_clock()
+    assert gpus.synced == [1]
+    gpus = TwoGpus(monkeypatch, used=())
+    synced_clock()
+    assert gpus.synced == []
+
+
+def test_bench_on_another_gpu_syncs_that_gpu(monkeypatch):
+    from gpulab import timing
+
+    gpus = TwoGpus(monkeypatch)
+    monkeypatch.setattr(timing.conditions, "snapshot", lambda device=None: timing.conditions.Conditions(0.0, 2))
+    m = bench(lambda: None, device="cuda:1", repeats=3, warmup=1)
+    assert m.device == "cuda:1" and gpus.synced and set(gpus.synced) == {1}
+
+
+def test_cold_bench_records_its_events_on_the_measured_gpu(monkeypatch):
+    from gpulab import timing
+
+    gpus = TwoGpus(monkeypatch)
+    monkeypatch.setattr(timing.conditions, "snapshot", lambda device=None: timing.conditions.Conditions(0.0, 2))
+    monkeypatch.setattr(timing, "_cache_flush", lambda device: lambda: None)
+    m = bench(lambda: None, device="cuda:1", repeats=3, warmup=0, cache="cold")
+    assert m.runs == 3 and m.median == pytest.approx(1e-3)
+    assert gpus.recorded == [("stream of", 1)] * 6  # begin and end of each run, on cuda:1's stream
+    assert set(gpus.synced) == {1}
+
+
+def test_compare_waits_for_every_gpu_in_use_not_only_the_current_one(monkeypatch):
+    """gpulab.compare reads synced_clock() without a device: work queued on cuda:1 is waited for all the same."""
+    from gpulab import compare
+
+    gpus = TwoGpus(monkeypatch, used=(1,))
+    c = compare(lambda: None, lambda: None, pairs=5, number=1, device="cpu")
+    assert c.pairs == 5 and gpus.synced and set(gpus.synced) == {1}
