@@ -60,7 +60,7 @@ def run_benchmarks(device=None) -> list[dict]:
     tasks.append(("launch of a tiny op", _launch, (device,)))
 
     log, rows = ResultLog("bench", device=str(device)), []
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
+    torch.set_float32_matmul_precision("highest")  # fp32 means fp32 here
     for name, fn, args in tqdm(tasks, desc="gpulab bench", unit="test"):
         row = fn(*args)
         rows.append(log.add(test=name, **{**row, "value": round(row["value"], 3)}))

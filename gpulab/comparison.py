@@ -168,6 +168,7 @@ def compare(baseline, candidate, *, labels=None, pairs: int | None = None, numbe
                         "compare(lambda: a @ b, lambda: a.half() @ b.half())")
     device = get_device(device)
     threads = threads or torch.get_num_threads()
+    # the clock waits for every GPU this process has used: a and b may queue work on any of them
     timers = [timeit.Timer("fn()", timer=synced_clock, globals={"fn": fn}) for fn in (baseline, candidate)]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

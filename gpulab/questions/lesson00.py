@@ -148,8 +148,9 @@ class _VirtualClock:
 @contextmanager
 def virtual_clock(*functions):
     """For the block, in this thread, every clock of ``time`` (and ``timeit.default_timer``) reads a virtual clock,
-    and ``time.sleep`` advances it; other threads keep the real ones. ``simulated_gpu`` runs on it too, and so do
-    ``functions`` that hold a clock of their own (``from time import perf_counter``) in their module's globals."""
+    and ``time.sleep`` advances it (CPU-time clocks stand still); other threads keep the real ones.
+    ``simulated_gpu`` runs on it too, and so do ``functions`` that hold a clock of their own (``from time import
+    perf_counter``) in their module's globals."""
     clock = _VirtualClock()
 
     def ours(virtual, real):
@@ -157,7 +158,11 @@ def virtual_clock(*functions):
 
     seconds, nanoseconds = (lambda: clock.now), (lambda: round(clock.now * 1e9))
     fakes = {"perf_counter": seconds, "monotonic": seconds, "time": seconds, "sleep": clock.sleep,
-             "perf_counter_ns": nanoseconds, "monotonic_ns": nanoseconds, "time_ns": nanoseconds}
+             "perf_counter_ns": nanoseconds, "monotonic_ns": nanoseconds, "time_ns": nanoseconds,
+             # CPU-time clocks stand still: a virtual sleep or a simulated GPU uses no CPU (and the real ones would
+             # count whatever else this process's threads happen to do)
+             "process_time": lambda: 0.0, "process_time_ns": lambda: 0, "thread_time": lambda: 0.0,
+             "thread_time_ns": lambda: 0}
     replaced = {getattr(time, name): ours(virtual, getattr(time, name)) for name, virtual in fakes.items()}
     with ExitStack() as stack:
         for name in fakes:
