@@ -215,8 +215,8 @@ def events(trace) -> pd.DataFrame:
         "cat": [str(e.get("cat", "")) for e in rows],
         "pid": [str(e.get("pid", "")) for e in rows],
         "tid": [str(e.get("tid", "")) for e in rows],
-        "ts": [float(e["ts"]) for e in rows],
-        "dur": [float(e.get("dur", 0.0)) for e in rows],
+        "ts": [_microseconds(e, "ts") for e in rows],
+        "dur": [_microseconds(e, "dur", 0.0) for e in rows],
     })
     origin = frame["ts"].min()
     frame["kind"] = frame["cat"].map(GPU_CATEGORIES).fillna(frame["cat"])
@@ -224,6 +224,16 @@ def events(trace) -> pd.DataFrame:
     frame["dur_ms"] = frame["dur"] / _US_PER_MS
     frame["end_ms"] = frame["start_ms"] + frame["dur_ms"]
     return frame.drop(columns=["ts", "dur"]).sort_values("start_ms", kind="stable").reset_index(drop=True)
+
+
+def _microseconds(event: dict, key: str, default: float | None = None) -> float:
+    """An event's ``ts`` or ``dur`` as a number, or a TraceError naming the event."""
+    value = event.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TraceError(f"event {str(event.get('name', '?'))[:60]!r} has {key}={value!r}, not a number of "
+                         "microseconds: is this a Chrome/Kineto trace exported by torch.profiler?") from None
 
 
 def has_device_events(trace) -> bool:

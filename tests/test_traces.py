@@ -396,3 +396,13 @@ def test_a_real_gpu_profile_through_every_helper(tmp_path):
     rounded = traces.idle_breakdown(path, hta_rounding=True).set_index(["stream", "idle_category"])["idle_ms"]
     theirs = traces.hta_breakdown(path)[1].set_index(["stream", "idle_category"])["idle_time"] / 1e3
     assert rounded.reindex(theirs.index).to_numpy() == pytest.approx(theirs.to_numpy(), abs=1e-5)
+
+
+@pytest.mark.parametrize("event, says", [({"ts": "soon"}, "ts='soon', not a number"), ({"ts": 1.0, "dur": None},
+                                                                                       "dur=None, not a number")])
+def test_an_event_with_a_time_that_is_not_a_number_is_named(tmp_path, event, says):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 1, "tid": 1,
+                                                 "dur": 2.0, **event}]}))
+    with pytest.raises(traces.TraceError, match=says):
+        traces.events(path)
