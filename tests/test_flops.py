@@ -177,6 +177,19 @@ def test_the_ceiling_is_the_fastest_shapes_median_and_slow_shapes_are_skipped(mo
     flops._measured_ceiling.cache_clear()
 
 
+def test_on_a_cpu_the_ceiling_is_the_faster_of_mm_and_linear(monkeypatch):
+    """A CPU without bf16 instructions runs F.linear (oneDNN) several times faster than torch.mm in bf16: the ceiling
+    must be the best the device reaches, or a model's own layers would read above 100 % of it."""
+    def timed(product, count, device):
+        rate = 3e12 if product.func is torch.nn.functional.linear else 1e12
+        return [2 * 64**3 / rate] * count
+
+    monkeypatch.setattr(flops, "_timed", timed)
+    flops._measured_ceiling.cache_clear()
+    assert flops.ceiling("bf16", "cpu", shapes=[(64, 64, 64)], seconds=0.01).tflops == pytest.approx(3.0)
+    flops._measured_ceiling.cache_clear()
+
+
 def test_a_real_ceiling_on_the_cpu_is_measured_once_per_process():
     flops._measured_ceiling.cache_clear()
     first = flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002)
