@@ -145,6 +145,9 @@ def test_a_side_ends_when_its_parent_dies(tmp_path):
         """))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     side = psutil.Process(int(parent.stdout.readline()))
+    deadline = time.monotonic() + 10  # SIGSTOP takes effect when the kernel next schedules the side
+    while side.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert side.status() == psutil.STATUS_STOPPED  # suspended between trials
     parent.kill()
     parent.wait()
