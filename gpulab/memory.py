@@ -10,6 +10,8 @@ of timeline as ``MemoryTracker.timeline()``, so ``gpulab.plots.memory_timeline``
 browser or internet (pytorch.org/memory_viz needs both).
 """
 
+import math
+import numbers
 import os
 import pickle
 import weakref
@@ -47,11 +49,16 @@ class MemoryTracker(TorchDispatchMode):
     With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
     With ``record=True`` it also keeps every allocation and free, for ``timeline()``; ``mark("phase")``
     names the part of the step that follows. Tensors made from Python or NumPy data (``torch.tensor``,
-    ``torch.from_numpy``) bypass the operators it sees and are not counted.
+    ``torch.from_numpy``) bypass the operators it sees and are not counted. A tracker entered again inside its
+    own block counts each tensor once.
     """
 
     def __init__(self, budget: float | None = None, *, record: bool = False):
         super().__init__()
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                                   or not 0 < budget < math.inf):
+            raise ValueError(f"budget is a positive number of bytes (e.g. 2**30 for 1 GiB), or None for no budget; "
+                             f"got {budget!r}")
         self.budget = budget
         self.record = record
         self.current = 0
@@ -59,14 +66,15 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = ""
         self._events: list[tuple[str, str, str, int, int]] = []  # phase, action, op, bytes, allocated after
         self._depth = 0
+        self._live: set[int] = set()  # ids of the storages counted and not yet freed
 
     def __enter__(self):
         self._depth += 1
-        return super().__enter__()
+        return super().__enter__() if self._depth == 1 else self  # nested in itself: counts each tensor once
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         self._depth -= 1
-        return super().__exit__(exc_type, exc_val, exc_tb)
+        return super().__exit__(exc_type, exc_val, exc_tb) if self._depth == 0 else None
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -103,14 +111,18 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _count(self, storage, func) -> None:
+        """Count a storage the first time an operator returns it (some, such as ``_unsafe_view``, return their
+        input's storage without saying so in their schema); uncount it when it is freed."""
         nbytes = storage.nbytes()
-        if nbytes:
+        if nbytes and id(storage) not in self._live:
+            self._live.add(id(storage))
             self.current += nbytes
             self.peak = max(self.peak, self.current)
             self._log("alloc", func.overloadpacket.__name__, nbytes)
-            weakref.finalize(storage, self._free, nbytes)
+            weakref.finalize(storage, self._free, id(storage), nbytes)
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
         self.current -= nbytes
         self._log("free", "", nbytes)
 

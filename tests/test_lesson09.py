@@ -10,7 +10,7 @@ from gpulab import text
 from gpulab.check import ____
 from gpulab.questions import lesson09
 
-from .conftest import ROOT, shown_solution
+from .conftest import ROOT, checker_values, shown_solution
 
 
 def blank_function(*args, **kwargs):
@@ -349,6 +349,46 @@ def test_the_profiles_recorded_here_name_the_forced_backend():
     assert any(n.endswith("_attention_math") for n in lesson09.profile_names("math", "cpu"))
     assert any(n.endswith("_flash_attention_for_cpu") for n in lesson09.profile_names(None, "cpu"))
 
+
+
+def test_the_checks_reference_names_the_backend_each_recorded_profile_was_forced_to():
+    for profiles in (lesson09._GPU_PROFILES, lesson09._CPU_PROFILES):
+        for backend, names in profiles.items():
+            assert lesson09.backend_that_ran(names) == backend
+    assert lesson09.backend_that_ran(lesson09.profile_names("math", "cpu")) == "math"
+    assert lesson09.backend_that_ran(["aten::scaled_dot_product_attention", "aten::bmm"]) is None
+
+
+# ----- answers that walk up the stack to the checks' own values -------------------------------------------------------
+
+def walking(reference, fallback):
+    """An answer that walks up the stack to the check's frames and returns the right answer (``reference`` of its
+    arguments) if any value there equals it, else ``fallback``; ``.found`` keeps what it found."""
+    def answer(*args, **kwargs):
+        right_answer = reference(*args, **kwargs)
+        found = [v for v in checker_values() if type(v) is type(right_answer) and _same(v, right_answer)]
+        answer.found += found
+        return found[-1] if found else fallback
+    answer.found = []
+    return answer
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and bool(torch.allclose(a, b))
+    return a == b or (isinstance(a, float) and abs(a - b) <= 1e-9 * abs(b))
+
+
+@pytest.mark.parametrize("question, reference, fallback, args", [
+    (lesson09.q1, lambda *cfg: float(lesson09.counted_flops_per_token(*cfg)), 0.0, ()),
+    (lesson09.q2, lesson09.expected_mfu, -1.0, MEASURED),
+    (lesson09.q3, lesson09.scaled_mlp, torch.zeros(16, 8), ()),
+    (lesson09.q4, lesson09.backend_that_ran, "none", ()),
+], ids=["q1", "q2", "q3", "q4"])
+def test_stack_walking_answers_find_no_expected_value(question, reference, fallback, args):
+    answer = walking(reference, fallback)
+    question.check(answer, *args)
+    assert question.last.status == "wrong" and answer.found == [], (question.last.message, answer.found[:3])
 
 @pytest.mark.gpu
 def test_q4_is_right_on_this_gpus_own_profiles():

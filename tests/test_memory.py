@@ -107,6 +107,30 @@ def test_mark_works_again_in_a_nested_block():
     assert tracker.timeline()["phase"].tolist() == ["inner", "outer"]
 
 
+@pytest.mark.parametrize("budget", ["1GB", -1, 0, float("nan"), True])
+def test_a_budget_that_is_not_a_number_of_bytes_says_so(budget):
+    with pytest.raises(ValueError, match="budget is a positive number of bytes"):
+        MemoryTracker(budget=budget)
+
+
+def test_a_tracker_nested_in_itself_counts_each_tensor_once():
+    alone, nested = MemoryTracker(), MemoryTracker()
+    with alone:
+        kept = torch.ones(1000)
+    with nested, nested:
+        kept = torch.ones(1000)
+    assert nested.peak == alone.peak == kept.untyped_storage().nbytes()
+
+
+
+def test_an_operator_that_returns_its_inputs_storage_unannounced_adds_nothing():
+    """``aten::_unsafe_view`` (a 3-d @ 2-d matmul ends with it) returns the storage ``mm`` just made, and its schema
+    does not say it aliases: that storage is counted once."""
+    with MemoryTracker() as tracker:
+        x, w = torch.randn(4, 8, 16), torch.randn(16, 32)
+        out = x @ w
+    assert tracker.current == sum(t.untyped_storage().nbytes() for t in (x, w, out))
+
 # ----- snapshots, read offline ----------------------------------------------------------------------
 
 def _frames(name):
