@@ -3,16 +3,17 @@
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 from pathlib import Path
-
-import pandas as pd
 
 DOCTOR_HELP = """exit status: 0 all OK; 1 warnings (the GPU works, something costs speed);
 2 errors (no usable GPU: torch is CPU-only, no driver, driver too old, ...)"""
 GRADE_HELP = """exit status: 0 every notebook ran to its end (whatever its score); 1 at least one
 notebook could not be graded (raised, timed out, exited, not a notebook): it got zero points;
-2 a mistake in the command (a missing notebook, --out naming a file, a bad --time-limit)"""
+2 a mistake in the command (a missing notebook, --out naming a file, a bad --time-limit);
+130 stopped by Ctrl-C, 143 by SIGTERM (the grades of the notebooks that finished are kept)"""
 
 
 class UsageError(Exception):
@@ -41,18 +42,41 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; a mistake in the command is one line on stderr and exit status 2."""
-    from .device import DeviceError
-    from .grading import GradingError
-    from .results import ResultsFileError
-
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """Run one sub-command; a mistake in the command is one line on stderr and exit status 2; Ctrl-C or SIGTERM
+    stops it with one line on stderr and exit status 130 or 143."""
+    previous, name = _sigterm_raises(), "gpulab"
     try:
+        from .device import DeviceError
+        from .grading import GradingError
+        from .results import ResultsFileError
+
+        args = _parser().parse_args(argv)
+        name = f"gpulab {args.subcommand}"
         return args.run(args)
+    except KeyboardInterrupt as stop:  # first: the names below may not be imported yet
+        print(f"{name}: stopped by {str(stop) or 'Ctrl-C'}", file=sys.stderr)
+        return _stopped_status(str(stop))
     except (UsageError, DeviceError, ResultsFileError, GradingError) as err:
-        print(f"gpulab {args.subcommand}: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_raises():
+    """Make SIGTERM raise KeyboardInterrupt("SIGTERM") (as Ctrl-C does), so that runs clean up; returns the handler
+    it replaced (None where it can't: outside the main thread)."""
+    def stop(*_):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, stop) or signal.SIG_DFL
+
+
+def _stopped_status(signal_name: str) -> int:
+    return 128 + (signal.SIGTERM if signal_name == "SIGTERM" else signal.SIGINT)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +144,8 @@ def _doctor(args) -> int:
 
 
 def _bench(args) -> int:
+    import pandas as pd
+
     from .benchmarks import run_benchmarks
     from .device import device_info
     from .results import reference
@@ -144,13 +170,20 @@ def _bench(args) -> int:
 
 def _course(args) -> int:
     from .course import run_course
+    from .execute import Stopped
 
     notebooks = args.notebooks or sorted(Path("notebooks").glob("*.ipynb"))
     if not notebooks:
         raise UsageError("no notebooks found (run this from the repository's root)")
     _existing_files(notebooks)
     _writable_folder(args.out)
-    table = run_course(notebooks, args.out, args.cell_timeout)
+    try:
+        table = run_course(notebooks, args.out, args.cell_timeout)
+    except Stopped as stop:
+        print("\n" + stop.done.to_string(index=False))
+        print(f"gpulab course: stopped by {stop.signal_name} after {len(stop.done)} of {len(notebooks)} lessons; "
+              f"their summary is in {args.out / 'summary.csv'}", file=sys.stderr)
+        return _stopped_status(stop.signal_name)
     print("\n" + table.to_string(index=False))
     failed = (table["status"] != "passed").sum()
     print(f"\n{len(table) - failed} of {len(table)} lessons passed; executed notebooks and HTML in {args.out}/")
@@ -160,23 +193,45 @@ def _course(args) -> int:
 def _grade(args) -> int:
     from tqdm.auto import tqdm
 
-    from .grading import grade, totals, write
+    from .execute import Stopped, containment
+    from .grading import grade
 
     _existing_files(args.notebooks)
     _writable_folder(args.out)  # before grading: a bad --out must not cost a whole class's grading time
-    grades = grade(args.notebooks, args.time_limit, progress=lambda xs: tqdm(xs, desc="grading", unit="notebook"),
-                   out_dir=args.out)
+    print(f"gpulab grade: {containment()}", file=sys.stderr)
+    try:
+        grades = grade(args.notebooks, args.time_limit, out_dir=args.out,
+                       progress=lambda xs: tqdm(xs, desc="grading", unit="notebook"))
+    except Stopped as stop:
+        if len(stop.done):
+            _show_grades(stop.done, args.out)
+        graded = stop.done["notebook"].nunique()
+        print(f"gpulab grade: stopped by {stop.signal_name} after {graded} of {len(args.notebooks)} notebooks; their "
+              f"grades are in {args.out}/: grade the others again", file=sys.stderr)
+        return _stopped_status(stop.signal_name)
+    _show_grades(grades, args.out)
+    seconds, checking = grades.attrs["seconds"], grades.attrs["installation_seconds"]
+    print(f"graded {len(args.notebooks)} notebooks in {seconds:.0f} s, {checking:.1f} s of it "
+          f"({checking / seconds:.0%}) checking the installation")
+    skipped = grades.loc[grades["message"].str.startswith("not graded: installed files changed"), "notebook"].unique()
+    if len(skipped):
+        print(f"warning: installed files changed during grading; {len(skipped)} notebook(s) after that were not "
+              "graded: reinstall the packages the grades name, and grade them again", file=sys.stderr)
+    unrunnable = grades[(grades["points"] == 0) & ~grades["message"].str.match(r"(correct|wrong|not attempted|not checked)")]
+    return 1 if len(unrunnable) else 0
+
+
+def _show_grades(grades, out_dir: Path) -> None:
+    """Print the grades and each notebook's total, and write them to ``out_dir``."""
+    import pandas as pd
+
+    from .grading import totals, write
+
     with pd.option_context("display.max_colwidth", 90, "display.width", 200):
         print(grades.drop(columns="max_points").to_string(index=False))
         print("\n" + totals(grades).to_string())
-    for path in write(grades, args.out):
+    for path in write(grades, out_dir):
         print(f"wrote {path}")
-    skipped = grades.loc[grades["message"].str.startswith("not graded: installed files changed"), "notebook"].unique()
-    if len(skipped):
-        print(f"warning: gpulab's installed files changed during grading; {len(skipped)} notebook(s) after that were "
-              "not graded: reinstall gpulab and grade them again", file=sys.stderr)
-    unrunnable = grades[(grades["points"] == 0) & ~grades["message"].str.match(r"(correct|wrong|not attempted|not checked)")]
-    return 1 if len(unrunnable) else 0
 
 
 def _exercises(args) -> int:

@@ -3,41 +3,41 @@
 Learner code runs in the same kernel as the checks (as in nbgrader and otter), so the grader trusts that
 kernel as little as it can. For each submission it:
 
-1. copies the notebook into a fresh temporary folder and runs it there in a new kernel (working folder,
-   HOME, TMPDIR and results inside that folder) under a time limit, through a worker process whose
-   process group (worker, kernel and whatever they started) is killed afterwards;
-2. appends a cell of its own that checks again, with the installed checkers, every answer the notebook
-   gave to ``qN.check``, and prints the results with a fingerprint of gpulab's code
-   (``integrity.fingerprint``), behind a tag made for this run that no cell of the learner can read
-   before it runs; only lines carrying that tag count;
-3. compares that fingerprint with the one a fresh Python process computes, and hashes the installed files
-   before and after.
+1. runs the notebook, whose bytes reach the worker through a pipe, in a new kernel in a fresh temporary folder
+   (working folder, HOME, TMPDIR and results inside it) under a time limit, in a group with every process it
+   starts (``execute.Group``: a cgroup of its own where the machine allows), which is ended as a whole
+   afterwards; the grader removes the folder and the kernel's folder itself, also on Ctrl-C or SIGTERM;
+2. has the kernel, started before any cell of the notebook, check again with the installed checkers every answer
+   the notebook gave to ``qN.check``, and write the results with a fingerprint of gpulab's code to a socket that
+   only the kernel inherited, behind a tag made for this run (``integrity.serve_report``); only lines carrying
+   that tag count;
+3. compares that fingerprint with the one a fresh Python process computes, zeroes a notebook that left
+   processes running detached from its kernel, and watches the installation (``integrity.Installation``).
 
-A check replaced, a result recorded without a check, a malformed report: that submission gets zero
-points and the reason. A submission that changed the installed files gets zero, and the ones after it are
-not graded: what the grader would run for them can no longer be trusted (reinstall gpulab and grade them
-again). Grades are written after every submission, so an interrupted run keeps every finished grade.
+A check replaced, a result recorded without a check, a malformed report, a detached process: that submission
+gets zero points and the reason. A submission that changed the installed files gets zero, and the ones after it
+are not graded: what the grader would run for them can no longer be trusted (reinstall and grade them again).
+Grades are written after every submission, so an interrupted run keeps every finished grade.
 """
 
-import inspect
 import json
 import math
 import os
 import re
 import secrets
 import shutil
-import signal
 import site
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import nbformat
 import pandas as pd
 
 from .check import CORRECT, NOT_ATTEMPTED, WRONG
-from .integrity import digest_files, fingerprint
+from .execute import Stopped, clear_leftovers, notebook_problem, run_contained, shielded, temp_folder
+from .integrity import Installation, InstallationChanged
 
 COLUMNS = ["notebook", "question", "points", "max_points", "passed", "message"]
 _PRIVATE_ENV = ("GPULAB_GRADE", "JUPYTER_", "IPYTHONDIR", "XDG_", "MPLCONFIGDIR", "PYTHONPYCACHEPREFIX",
@@ -57,31 +57,40 @@ def lesson_of(path: Path) -> str | None:
 
 def grade(paths: list[Path], time_limit: float = 600, progress=None, out_dir: Path | None = None) -> pd.DataFrame:
     """Grade many notebooks; ``progress`` wraps the list (e.g. tqdm); ``out_dir`` gets grades.csv and grades.json
-    rewritten after each notebook."""
+    rewritten after each notebook. The table's ``attrs`` say how long it took ("seconds") and how much of that went
+    to checking the installation ("installation_seconds"). Ctrl-C (or SIGTERM, raised as KeyboardInterrupt) ends
+    the notebook that runs and raises ``Stopped`` with the grades so far."""
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    submissions = [(Path(p), _read(Path(p))) for p in paths]  # all read first: no notebook can change another's
-    with tempfile.TemporaryDirectory(prefix="gpulab-grade-") as scratch:
-        reference = _reference(Path(scratch))
-    installed = lambda: digest_files(Path(reference["package"]), reference["path"])  # noqa: E731
-    baseline, spoiled_by, rows = installed(), None, []
-    for path, data in (progress or (lambda x: x))(submissions):
-        questions = reference["lessons"].get(lesson_of(path) or "", [])
-        if spoiled_by:
-            found = _zero(path, questions, f"not graded: installed files changed while {spoiled_by} ran; "
-                                           "reinstall gpulab and grade this notebook again")
-        else:
-            found = _grade_one(path, data, questions, time_limit, reference)
-            now = installed()
-            changed = [p for p in sorted(set(baseline) | set(now)) if baseline.get(p) != now.get(p)]
-            if changed:
-                spoiled_by = str(path)
-                found = _zero(path, questions, f"installed files changed while this notebook ran ({_few(changed)}): "
-                                               "zero points, and the notebooks after it were not graded")
-        rows += found
-        if out_dir is not None:
-            write(pd.DataFrame(rows, columns=COLUMNS), out_dir)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    start, rows = time.perf_counter(), []
+    try:
+        clear_leftovers()
+        submissions = [(Path(p), _read(Path(p))) for p in paths]  # all read first: no notebook can change another's
+        with tempfile.TemporaryDirectory(prefix=f"gpulab-grade-{os.getpid()}-") as scratch:
+            reference = _reference(Path(scratch))
+        installation = _installation(reference)
+        spoiled_by = None
+        for path, data in (progress or (lambda x: x))(submissions):
+            questions = reference["lessons"].get(lesson_of(path) or "", [])
+            if spoiled_by:
+                found = _zero(path, questions, f"not graded: installed files changed while {spoiled_by} ran; "
+                                               "reinstall them and grade this notebook again")
+            else:
+                found = _grade_one(path, data, questions, time_limit, reference)
+                changed = installation.changes()
+                if changed:
+                    spoiled_by = str(path)
+                    found = _zero(path, questions, f"installed files changed while this notebook ran "
+                                                   f"({_few(changed)}): zero points, and the notebooks after it "
+                                                   "were not graded")
+            rows += found
+            if out_dir is not None:
+                write(pd.DataFrame(rows, columns=COLUMNS), out_dir)
+    except KeyboardInterrupt as stop:
+        raise Stopped(pd.DataFrame(rows, columns=COLUMNS), str(stop) or "Ctrl-C") from None
+    grades = pd.DataFrame(rows, columns=COLUMNS)
+    grades.attrs.update(seconds=time.perf_counter() - start, installation_seconds=installation.seconds)
+    return grades
 
 
 def totals(grades: pd.DataFrame) -> pd.DataFrame:
@@ -104,10 +113,10 @@ def _grade_one(path: Path, data: bytes | str, questions: list, time_limit: float
     if not questions:
         return [_row(path, "-", 0, 0, f"cannot tell which lesson this is: name it NN_topic.ipynb after one of "
                                       f"the lessons (got {path.name!r})")]
-    problem = data if isinstance(data, str) else _not_a_notebook(data)
+    problem = data if isinstance(data, str) else notebook_problem(data)
     if problem:
         return _zero(path, questions, f"not a readable notebook: {problem}")
-    results, failure = _run(path, data, lesson_of(path), time_limit, reference)
+    results, failure = _run(data.decode("utf-8"), lesson_of(path), time_limit, reference)
     if failure:
         return _zero(path, questions, failure)
     rows = []
@@ -121,50 +130,44 @@ def _grade_one(path: Path, data: bytes | str, questions: list, time_limit: float
     return rows
 
 
-def _run(path: Path, data: bytes, lesson: str, time_limit: float, reference: dict) -> tuple[dict, str | None]:
-    """Run the notebook in its own folder; returns (results per question, failure reason or None)."""
-    root = Path(tempfile.mkdtemp(prefix="gpulab-submission-"))
-    tag, answer_tag = f"GPULAB-GRADE-{secrets.token_hex(16)}:", f"{secrets.token_hex(16)}:"
+def _run(text: str, lesson: str, time_limit: float, reference: dict) -> tuple[dict, str | None]:
+    """Run the notebook in a folder of its own; returns (results per question, failure reason or None)."""
+    root = Path(temp_folder("submission"))
+    tag = f"GPULAB-GRADE-{secrets.token_hex(16)}:"
+    job = {"notebook": text, "cell_timeout": time_limit, "kernel_log": None,
+           "report": {"tag": tag, "lesson": lesson, "modules": reference["modules"],
+                      "integrity": str(Path(reference["package"], "integrity.py"))}}
     try:
         (root / "work").mkdir()
-        notebook = root / "work" / path.name
-        notebook.write_bytes(data)
-        job = {"notebook": str(notebook), "cell": _last_cell(tag, lesson, reference["modules"]), "tag": tag,
-               "answer_tag": answer_tag, "cell_timeout": time_limit}
-        worker = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grade_worker.py"))],
-                                  cwd=root, env=_kernel_env(root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            output, errors = worker.communicate(json.dumps(job).encode(), timeout=time_limit)
-        except subprocess.TimeoutExpired:
-            return {}, f"ran past the time limit of {time_limit:g} s"
-        finally:
-            _kill_group(worker)
+        answer, failure = run_contained(job, cwd=root / "work", env=_kernel_env(root), time_limit=time_limit)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-    answers = [line[len(answer_tag):] for line in output.decode(errors="replace").splitlines()
-               if line.startswith(answer_tag)]
-    if len(answers) != 1:
-        tail = errors.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return {}, f"the grader's worker failed (exit {worker.returncode}): {tail[0]}"
-    try:
-        answer = json.loads(answers[0])
-        answer["lines"] = [line for line in answer["lines"] if isinstance(line, str)]
-    except (ValueError, KeyError, TypeError):
-        return {}, "the grader's worker sent an answer it could not read: zero points"
+        with shielded():
+            shutil.rmtree(root, ignore_errors=True)
+    if failure:
+        return {}, failure
     if answer.get("error"):
-        error = answer["error"]
+        error = str(answer["error"])
         return {}, f"the notebook called sys.exit ({error})" if "SystemExit" in error else error
-    return _read_report(answer["lines"], tag, lesson, reference)
+    if answer.get("escaped"):
+        return {}, (f"the notebook left processes running detached from its kernel ({_few(map(str, answer['escaped']))})"
+                    ": zero points")
+    lines = [line for line in answer.get("lines", []) if isinstance(line, str)]
+    return _read_report(lines, tag, lesson, reference)
 
 
 def _read_report(lines: list[str], tag: str, lesson: str, reference: dict) -> tuple[dict, str | None]:
     """The results in the grader's report, or the reason the submission gets zero."""
     if len(lines) != 1:
-        return {}, (f"the grader's last cell printed {len(lines) or 'no'} report{'s' * (len(lines) != 1)}: the "
-                    "notebook changed how Python runs or prints (zero points)")
+        return {}, (f"the grader's report came {len(lines)} times from this notebook's kernel: the notebook "
+                    "changed how the kernel runs (zero points)" if lines else
+                    "the grader's report never came from this notebook's kernel: the notebook changed how the kernel "
+                    "runs, or closed the grader's channel (zero points)")
     try:
-        report = json.loads(lines[0][len(tag):])
+        body = json.loads(lines[0][len(tag):])
+        if "error" in body:
+            return {}, (f"the grader's check failed in this notebook's kernel ({str(body['error'])[:_MESSAGE_LIMIT]}): "
+                        "did the notebook change gpulab or Python itself? (zero points)")
+        report = body["report"]
         kernel, changed, unchecked = report["fingerprint"], report["changed"], report["unchecked"]
         results = {name: {"status": r["status"], "message": str(r["message"])[:_MESSAGE_LIMIT]}
                    for name, r in report["results"].items()}
@@ -184,36 +187,6 @@ def _read_report(lines: list[str], tag: str, lesson: str, reference: dict) -> tu
     return results, None
 
 
-def _last_cell(tag: str, lesson: str, modules: list[str]) -> str:
-    """The grader's own cell: checks every recorded answer again and reports, tagged, with a fingerprint."""
-    return inspect.getsource(fingerprint) + f'''
-
-def _gpulab_grade(tag, lesson, modules):
-    import importlib
-    import json
-
-    from gpulab import check
-
-    module = importlib.import_module("gpulab.questions.lesson" + lesson)
-    before = fingerprint(modules)
-    results, unchecked = {{}}, []
-    for q in sorted((q for q in vars(module).values() if type(q) is check.Question), key=lambda q: q.number):
-        answers = vars(q).get("_answers")
-        if answers is None:
-            if q.last is not None or (lesson, q.name) in check._results:
-                unchecked.append(q.name)
-            continue
-        status, message = check.Question._judge(q, answers)
-        results[q.name] = {{"status": status, "message": str(message)}}
-    after = fingerprint(modules)
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    print(tag + json.dumps({{"fingerprint": before, "changed": changed, "results": results, "unchecked": unchecked}}))
-
-
-_gpulab_grade({tag!r}, {lesson!r}, {modules!r})
-'''
-
-
 def _reference(scratch: Path) -> dict:
     """``integrity.reference()`` from a fresh Python process started as a kernel would be."""
     (scratch / "work").mkdir(exist_ok=True)
@@ -226,23 +199,24 @@ def _reference(scratch: Path) -> dict:
         raise GradingError(f"cannot start grading: a fresh Python could not import gpulab ({tail})") from None
 
 
+def _installation(reference: dict) -> Installation:
+    """The installation, watched from now on; GradingError when it already differs from what was installed."""
+    try:
+        return Installation(reference["watched"])
+    except InstallationChanged as err:
+        raise GradingError(f"cannot start grading: {err}") from None
+
+
 def _kernel_env(root: Path) -> dict:
-    """The environment of a submission's worker and kernel: home, temporary files and results inside ``root``."""
+    """The environment of a submission's worker and kernel: home, temporary files and results inside ``root``,
+    and no bytecode written into the installation."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV)}
     for name in ("home", "tmp", "results"):
         (root / name).mkdir(exist_ok=True)
     env.update(HOME=str(root / "home"), TMPDIR=str(root / "tmp"), TEMP=str(root / "tmp"), TMP=str(root / "tmp"),
-               GPULAB_RESULTS=str(root / "results"))
+               GPULAB_RESULTS=str(root / "results"), PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("PYTHONUSERBASE", site.getuserbase())  # packages installed with `pip install --user` stay visible
     return env
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
 
 
 def _read(path: Path) -> bytes | str:
@@ -251,23 +225,6 @@ def _read(path: Path) -> bytes | str:
         return path.read_bytes()
     except OSError as err:
         return err.strerror or str(err)
-
-
-def _not_a_notebook(data: bytes) -> str | None:
-    """Why ``data`` is not a notebook nbformat can run, in one line (None when it is one)."""
-    try:
-        text = data.decode("utf-8")
-        json.loads(text)
-    except UnicodeDecodeError:
-        return "the file is not UTF-8 text"
-    except ValueError as err:
-        return f"the file is not JSON ({err})"[:_MESSAGE_LIMIT]
-    try:
-        nbformat.validate(nbformat.reads(text, as_version=4))
-    except Exception as err:  # nbformat raises many kinds (schema, version, missing keys)
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        return f"the file is JSON but not a Jupyter notebook ({detail})"[:_MESSAGE_LIMIT]
-    return None
 
 
 def _row(path, question, points, max_points, message) -> dict:

@@ -1,4 +1,16 @@
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import nbformat
+import pandas as pd
+import psutil
+import pytest
 
 from gpulab import cli
 from gpulab.course import run_course
@@ -34,9 +46,6 @@ def test_cli_exit_status_says_whether_all_passed(tmp_path, capsys):
 
 def test_course_runs_are_quiet(tmp_path):
     """No "Kernel is running over TCP without encryption" from each kernel (a plain nbclient kernel prints it)."""
-    import subprocess
-    import sys
-
     fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
     run = ("import sys, nbformat\nfrom nbclient import NotebookClient\nfrom gpulab.execute import run_notebook\n"
            "if sys.argv[2] == 'plain':\n    NotebookClient(nbformat.read(sys.argv[1], 4)).execute()\n"
@@ -56,3 +65,46 @@ def test_the_kernels_own_messages_go_to_a_log_not_the_terminal(tmp_path, capfd):
     assert (tmp_path / "build" / "01_native.kernel.log").read_text() == "native message\n"
     assert table["status"].tolist() == ["passed", "FAILED"]
     assert "02_crash.kernel.log" in table.loc[1, "error"]
+
+
+def test_a_notebook_that_is_not_json_is_one_failed_line(tmp_path, capsys):
+    bad = tmp_path / "01_bad.ipynb"
+    bad.write_text("{ this is not json")
+    fine = _write(tmp_path / "02_fine.ipynb", "x = 1")
+    assert cli.main(["course", str(bad), str(fine), "--out", str(tmp_path / "build")]) == 1
+    said = capsys.readouterr()
+    assert "Traceback" not in said.out + said.err
+    table = pd.read_csv(tmp_path / "build" / "summary.csv")
+    assert table["status"].tolist() == ["FAILED", "passed"]
+    assert table.loc[0, "error"].startswith("not a readable notebook: the file is not JSON")
+
+
+@pytest.mark.parametrize("how, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_course_stops_in_one_line_and_keeps_what_finished(tmp_path, how, status):
+    token = f"gpulab-course-hang-{secrets.token_hex(4)}"
+    fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
+    hang = _write(tmp_path / "02_hang.ipynb", "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', "
+                  f"'import time; time.sleep(600)', {token!r}], start_new_session=True)\ntime.sleep(600)")
+    course = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "course", str(fine), str(hang), "--out",
+                               str(tmp_path / "build")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group, as a terminal's foreground job
+    _wait_for(lambda: _running(token), course)
+    os.killpg(course.pid, how)  # what Ctrl-C does: the signal goes to the foreground process group
+    out, err = course.communicate(timeout=60)
+    assert course.returncode == status and "Traceback" not in err, err
+    said = f"stopped by {'SIGTERM' if how == signal.SIGTERM else 'Ctrl-C'} after 1 of 2 lessons"
+    assert err.replace("\r", "\n").strip().splitlines()[-1].startswith(f"gpulab course: {said}"), err
+    assert pd.read_csv(tmp_path / "build" / "summary.csv")["lesson"].tolist() == ["01_fine"]
+    assert not _running(token)
+    assert not [f for f in Path(tempfile.gettempdir()).glob(f"gpulab-*-{course.pid}-*")]
+
+
+def _running(token: str) -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]
+
+
+def _wait_for(condition, process, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)

@@ -123,7 +123,8 @@ HOSTILE = {  # a blank submission that tries to get full marks some other way, a
         "import json, re\nres = {f'q{i}': {'status': 'correct', 'message': 'x'} for i in range(1, 5)}\n"
         "def forge(info):\n    tag = re.search(r'GPULAB-GRADE-\\w+:', info.raw_cell or '')\n"
         "    if tag: print(tag.group(0) + json.dumps({'fingerprint': {}, 'changed': [], 'results': res,"
-        " 'unchecked': []}))\nget_ipython().events.register('pre_run_cell', forge)", "printed 2 reports"),
+        " 'unchecked': []}))\nget_ipython().events.register('pre_run_cell', forge)",
+        "not checked: the notebook never ran"),
     "deletes_the_class_folder": ("import shutil\nshutil.rmtree(CLASS)", "not checked: the notebook never ran"),
     "runs_in_a_private_folder": (
         "import os, tempfile\nroot = os.path.dirname(os.getcwd())\nassert 'gpulab-submission-' in root, root\n"
@@ -169,7 +170,7 @@ def test_a_notebook_that_changes_the_installed_package_spoils_the_rest(tmp_path,
         status = cli.main(["grade", str(tamper), str(after), "--out", str(tmp_path / "grades")])
     finally:
         lesson.write_bytes(original)
-    assert status == 1 and "reinstall gpulab and grade them again" in capsys.readouterr().err
+    assert status == 1 and "installed files changed during grading" in capsys.readouterr().err
     grades = pd.read_csv(tmp_path / "grades" / "grades.csv")
     first, second = grades[grades["notebook"] == str(tamper)], grades[grades["notebook"] == str(after)]
     assert (grades["points"] == 0).all()
