@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .device import device_info, get_device
 from .mode import by_mode
-from .precision import datasheet_gpu, datasheet_peak, matmul_flops
+from .precision import calls_to_fill, datasheet_gpu, datasheet_peak, matmul_flops, timed_calls
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -269,31 +269,6 @@ def _products(precision: str, m: int, n: int, k: int, device: torch.device) -> l
     return found
 
 
-def _count(seconds: float, each: float, least: int, most: int) -> int:
-    """How many calls of ``each`` seconds fill ``seconds``, within [least, most]."""
-    return min(most, max(least, math.ceil(seconds / max(each, 1e-9))))
-
-
-def _timed(product, count: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``count`` calls of ``product``, back to back: between CUDA events recorded on the device's
-    stream on a GPU (the host never waits in between), by the host clock on a CPU."""
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
-        events[0].record(stream)
-        for event in events[1:]:
-            product()
-            event.record(stream)
-        events[-1].synchronize()
-        return [start.elapsed_time(end) / 1e3 for start, end in zip(events, events[1:])]
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        product()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 _WARMED: set[str] = set()
 
 
@@ -324,7 +299,7 @@ def _measured_ceiling(precision: str, device: str, shapes: tuple, seconds: float
         if cuda and str(device) not in _WARMED:  # clocks ramp up under load: a second of large products first
             warm, started = _products("fp16", 8192, 8192, 8192, device)[0], time.perf_counter()
             while time.perf_counter() - started < by_mode(full=1.0, quick=0.1):
-                _timed(warm, 10, device)
+                timed_calls(warm, 10, device)
             del warm
             _WARMED.add(str(device))
         for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
@@ -332,9 +307,9 @@ def _measured_ceiling(precision: str, device: str, shapes: tuple, seconds: float
             if by_shape and flops / (max(by_shape.values()) * 1e12) > MAX_PRODUCT_S:
                 continue  # too slow at this size: the others have told us the rate
             for product in _products(precision, m, n, k, device):  # the faster kernel counts
-                one = _timed(product, 1, device)[0]  # loads the library's kernel; how long one product takes
-                _timed(product, _count(seconds / 3, one, 1, 1000), device)
-                times = _timed(product, _count(seconds, one, 3, 10_000), device)
+                one = timed_calls(product, 1, device)[0]  # loads the library's kernel; how long one product takes
+                timed_calls(product, calls_to_fill(seconds / 3, one, 1, 1000), device)
+                times = timed_calls(product, calls_to_fill(seconds, one, 3, 10_000), device)
                 by_shape[(m, n, k)] = max(by_shape.get((m, n, k), 0.0), flops / statistics.median(times) / 1e12)
                 del product
     best = max(by_shape, key=by_shape.get)

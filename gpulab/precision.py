@@ -111,13 +111,13 @@ def matmul_peak(dtype: torch.dtype, device=None, sizes=None, warmup_s: float | N
         out = torch.empty_like(a)
         product = functools.partial(torch.mm, a, b, out=out)
         start = time.perf_counter()
-        seconds = _timed_products(product, 1, device)[0]  # loads cuBLAS' kernel; tells how long one takes
-        warm = _timed_products(product, _count(0.05, seconds, 1, 10), device)
+        seconds = timed_calls(product, 1, device)[0]  # loads cuBLAS' kernel; tells how long one takes
+        warm = timed_calls(product, calls_to_fill(0.05, seconds, 1, 10), device)
         first = first or tflops(flops, statistics.median(warm))
         while time.perf_counter() - start < warmup_s:
-            warm = _timed_products(product, _count(min(0.1, warmup_s), statistics.median(warm), 1, 10_000), device)
+            warm = timed_calls(product, calls_to_fill(min(0.1, warmup_s), statistics.median(warm), 1, 10_000), device)
         seconds = statistics.median(warm)
-        times = _timed_products(product, _count(min_time, seconds, 10 if seconds < MAX_PRODUCT_S else 3, 10_000), device)
+        times = timed_calls(product, calls_to_fill(min_time, seconds, 10 if seconds < MAX_PRODUCT_S else 3, 10_000), device)
         by_size[n], counts[n] = tflops(flops, statistics.median(times)), len(times)
         best = max(best, tflops(flops, min(times)))
     n = max(by_size, key=by_size.get)
@@ -125,12 +125,12 @@ def matmul_peak(dtype: torch.dtype, device=None, sizes=None, warmup_s: float | N
                 first_tflops=first, products=counts[n], by_size=by_size)
 
 
-def _count(seconds: float, each: float, least: int, most: int) -> int:
+def calls_to_fill(seconds: float, each: float, least: int, most: int) -> int:
     """How many calls of ``each`` seconds fill ``seconds``, within [least, most]."""
     return min(most, max(least, math.ceil(seconds / max(each, 1e-9))))
 
 
-def _timed_products(product, count: int, device: torch.device) -> list[float]:
+def timed_calls(product, count: int, device: torch.device) -> list[float]:
     """Seconds of each of ``count`` calls of ``product``, back to back (between CUDA events on a GPU).
 
     The events go on the stream of ``device``, where the products run: recorded on the current device's stream

@@ -166,7 +166,7 @@ def test_the_ceiling_is_the_fastest_shapes_median_and_slow_shapes_are_skipped(mo
         tried.append((m, n, k))
         return [2 * m * n * k / rates.get(m, 1e12)] * count
 
-    monkeypatch.setattr(flops, "_timed", timed)
+    monkeypatch.setattr(flops, "timed_calls", timed)
     monkeypatch.setattr(flops, "MAX_PRODUCT_S", 1e-6)  # at these rates, the 8192³ product is "too slow"
     flops._measured_ceiling.cache_clear()
     shapes = [(64, 64, 64), (96, 32, 64), (8192, 8192, 8192)]
@@ -184,7 +184,7 @@ def test_on_a_cpu_the_ceiling_is_the_faster_of_mm_and_linear(monkeypatch):
         rate = 3e12 if product.func is torch.nn.functional.linear else 1e12
         return [2 * 64**3 / rate] * count
 
-    monkeypatch.setattr(flops, "_timed", timed)
+    monkeypatch.setattr(flops, "timed_calls", timed)
     flops._measured_ceiling.cache_clear()
     assert flops.ceiling("bf16", "cpu", shapes=[(64, 64, 64)], seconds=0.01).tflops == pytest.approx(3.0)
     flops._measured_ceiling.cache_clear()

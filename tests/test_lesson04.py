@@ -91,10 +91,10 @@ def test_matmul_peak_times_its_products_on_the_stream_of_the_device_measured(mon
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", torch.device(device).index))
     calls = []
-    times = precision._timed_products(lambda: calls.append(1), 3, torch.device("cuda", 1))
+    times = precision.timed_calls(lambda: calls.append(1), 3, torch.device("cuda", 1))
     assert calls == [1, 1, 1] and times == [0.002] * 3
     assert streams == [("stream of", 1)] * 4 and len(waited) == 1
-    assert precision._timed_products(lambda: None, 2, torch.device("cpu")) and streams == [("stream of", 1)] * 4
+    assert precision.timed_calls(lambda: None, 2, torch.device("cpu")) and streams == [("stream of", 1)] * 4
 
 
 # ---- checkpoints keep the GradScaler's state ------------------------------------------------------------------
