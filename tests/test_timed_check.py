@@ -143,7 +143,8 @@ def test_a_side_ends_when_its_parent_dies(tmp_path):
         print(duel.sides["answer"].process.pid, flush=True)
         time.sleep(60)
         """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})  # what a killed parent leaves stays there
     side = psutil.Process(int(parent.stdout.readline()))
     deadline = time.monotonic() + 10  # SIGSTOP takes effect when the kernel next schedules the side
     while side.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
