@@ -4,6 +4,7 @@ Every figure is computed from ``gpulab/reference/`` when the command runs; a cla
 shipped rows yet says which lesson measures it and how to record them (`gpulab reference record`).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,6 +129,42 @@ def _ddp_over_dp(ref: pd.DataFrame) -> tuple[str, str] | None:
     return figure, {"faster": "confirmed", "slower": "not confirmed"}.get(row["verdict"], "within noise: not supported")
 
 
+
+def _mixed_precision(ref: pd.DataFrame) -> tuple[str, str] | None:
+    """Lesson 09's waterfall: the TF32 and autocast steps, each raced against the configuration before it."""
+    rows = ref[(ref["step"] == "TF32") | ref["step"].astype(str).str.startswith("autocast")]
+    rows = rows.dropna(subset=["verdict"]).drop_duplicates("step", keep="last") if "verdict" in rows else rows.iloc[:0]
+    if rows.empty:
+        return None
+    figure = "a GPT's training step vs the step before: " + ", ".join(
+        f"{r.step} {r.vs_previous:.2f}× ({r.low:.2f}–{r.high:.2f}×, {r.verdict})" for r in rows.itertuples())
+    verdicts = set(rows["verdict"])
+    if verdicts == {"faster"}:
+        return figure, "confirmed"
+    return figure, "not confirmed" if "slower" in verdicts else "within noise: not supported"
+
+
+def _flash_memory(ref: pd.DataFrame) -> tuple[str, str] | None:
+    """Lesson 09's attention sweep: how the peak memory of a forward and backward grows between the two longest
+    sequences each way ran, as the exponent of T."""
+    ran = ref[ref["out_of_memory"].astype(str) != "True"].dropna(subset=["peak_MiB"])
+
+    def growth(way: str) -> tuple[float, int] | None:
+        peak = ran[ran["way"] == way].groupby("seq_len")["peak_MiB"].median().sort_index()
+        if len(peak) < 2:
+            return None
+        (t0, m0), (t1, m1) = peak.iloc[-2:].items()
+        return math.log(m1 / m0) / math.log(t1 / t0), int(t1)
+
+    flash, written = growth("SDPA, flash forced"), growth("written out")
+    if flash is None:
+        return None
+    figure = f"peak memory grows as T^{flash[0]:.2f} with flash attention (up to T = {flash[1]})"
+    if written:
+        figure += f", T^{written[0]:.2f} written out (up to T = {written[1]})"
+    return figure, "confirmed" if flash[0] <= 1.25 else "not confirmed"
+
+
 CLAIMS = [
     Claim("003", "`.cpu()` in a loop: 0.583 s vs 0.021 s (a sync each step)", "01", "01_sync_in_loop",
           _sync_in_a_loop),
@@ -141,6 +178,9 @@ CLAIMS = [
           _checkpointing),
     Claim("001, 002", "`cudnn.benchmark` finds faster algorithms", "06", "06_cudnn_benchmark", _cudnn_benchmark),
     Claim("001, 003", "DDP is more efficient than DataParallel", "07", "07_dp_vs_ddp", _ddp_over_dp),
+    Claim("000", "mixed precision and tensor cores speed training", "09", "09_waterfall", _mixed_precision),
+    Claim("000", "FlashAttention's memory grows linearly with the sequence length, not quadratically", "09",
+          "09_attention", _flash_memory),
 ]
 
 

@@ -71,6 +71,32 @@ def test_speed_claims_follow_the_recorded_comparisons_verdict_never_a_bare_ratio
         assert said == verdict and "×, " in figure
 
 
+
+def test_the_mixed_precision_claim_reads_the_waterfalls_races():
+    def rows(tf32, autocast):
+        return _rows(step=["naive fp32", "TF32", "autocast bfloat16", "SDPA"], vs_previous=[None, tf32[0], autocast[0], 1.5],
+                     low=[None, tf32[1], autocast[1], 1.4], high=[None, tf32[2], autocast[2], 1.6],
+                     verdict=[None, tf32[3], autocast[3], "faster"])
+    figure, verdict = claims._mixed_precision(rows(FASTER, FASTER))
+    assert verdict == "confirmed" and "TF32 1.40× (1.30–1.50×, faster)" in figure and "SDPA" not in figure
+    assert claims._mixed_precision(rows(FASTER, NOISE))[1] == "within noise: not supported"
+    assert claims._mixed_precision(rows(SLOWER, FASTER))[1] == "not confirmed"
+    skipped = _rows(step=["naive fp32", "TF32"], vs_previous=[None, None], low=[None, None], high=[None, None],
+                    verdict=[None, None])
+    assert claims._mixed_precision(skipped) is None
+
+
+def test_the_flash_memory_claim_reads_the_growth_with_sequence_length():
+    def rows(flash_peaks):
+        lengths = [1024, 2048, 4096]
+        return _rows(way=["written out"] * 3 + ["SDPA, flash forced"] * 3, seq_len=lengths * 2,
+                     peak_MiB=[100.0, 400.0, None, *flash_peaks], out_of_memory=[False, False, True, False, False, False])
+    figure, verdict = claims._flash_memory(rows([10.0, 20.0, 40.0]))
+    assert verdict == "confirmed" and "T^1.00 with flash attention (up to T = 4096)" in figure
+    assert "T^2.00 written out (up to T = 2048)" in figure
+    assert claims._flash_memory(rows([10.0, 40.0, 160.0]))[1] == "not confirmed"
+    assert claims._flash_memory(rows([10.0, None, None])) is None
+
 def test_the_capstone_claim_needs_its_whole_interval_above_the_claimed_gain():
     def rows(low, high, verdict="faster"):
         return _rows(step=["optimised vs baseline"], accuracy=[0.9], **compared(((low + high) / 2, low, high, verdict)))
