@@ -129,7 +129,6 @@ def _ddp_over_dp(ref: pd.DataFrame) -> tuple[str, str] | None:
     return figure, {"faster": "confirmed", "slower": "not confirmed"}.get(row["verdict"], "within noise: not supported")
 
 
-
 def _mixed_precision(ref: pd.DataFrame) -> tuple[str, str] | None:
     """Lesson 09's waterfall: the TF32 and autocast steps, each raced against the configuration before it."""
     rows = ref[(ref["step"] == "TF32") | ref["step"].astype(str).str.startswith("autocast")]
