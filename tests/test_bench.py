@@ -67,7 +67,7 @@ def _fake_products(monkeypatch, tflops_at, spread=0.0):
         seconds = precision.matmul_flops(n, n, n) / (tflops_at(n) * 1e12)
         return [seconds * (1 - spread)] + [seconds] * (count - 1)
 
-    monkeypatch.setattr(precision, "_timed_products", timed)
+    monkeypatch.setattr(precision, "timed_calls", timed)
     return batches
 
 
