@@ -85,9 +85,13 @@ def test_an_interrupted_course_stops_in_one_line_and_keeps_what_finished(tmp_pat
     fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
     hang = _write(tmp_path / "02_hang.ipynb", "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', "
                   f"'import time; time.sleep(600)', {token!r}], start_new_session=True)\ntime.sleep(600)")
-    course = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "course", str(fine), str(hang), "--out",
-                               str(tmp_path / "build")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # its own process group, as a terminal's foreground job
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: CI once ran the CLI with SIGINT ignored
+    try:
+        course = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "course", str(fine), str(hang), "--out",
+                                   str(tmp_path / "build")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)  # its own process group, as a terminal's foreground job
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     _wait_for(lambda: _running(token), course)
     os.killpg(course.pid, how)  # what Ctrl-C does: the signal goes to the foreground process group
     out, err = course.communicate(timeout=60)
