@@ -44,7 +44,7 @@ def _positive(kind):
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; a mistake in the command is one line on stderr and exit status 2; Ctrl-C or SIGTERM
     stops it with one line on stderr and exit status 130 or 143."""
-    previous, name = _sigterm_raises(), "gpulab"
+    previous, name = _signals_raise(), "gpulab"
     try:
         from .device import DeviceError
         from .grading import GradingError
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _sigterm_raises():
+def _signals_raise():
     """Make SIGTERM raise KeyboardInterrupt("SIGTERM") and Ctrl-C raise KeyboardInterrupt, so that runs clean up, even
     where this process started with SIGINT ignored or blocked (inherited from the process that started it); returns
     the SIGTERM handler it replaced (None where it can't: outside the main thread)."""
