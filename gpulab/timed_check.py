@@ -160,15 +160,17 @@ class Side:
         self._each("resume")
 
     def close(self) -> None:
-        """Kill the process and every process it started."""
+        """Kill the process and every process it started, and wait until they are gone."""
+        tree = self._tree()
         self._each("kill")
         self.process.wait()
+        psutil.wait_procs(tree, timeout=10)  # a killed child is running until the scheduler next lets it exit
 
 
 class Duel:
     """A baseline and an answer, each in its own process, timed by this one (a context manager)."""
 
-    def __init__(self, task: str, source: str, name: str, *, threads: int = 1, start_limit: float = 120,
+    def __init__(self, task: str, source: str, name: str, *, threads: int = 1, start_limit: float = 300,
                  trial_limit: float = 300, sides=SIDES):
         self.task, self.source, self.name, self.threads = task, source, name, threads
         self.start_limit, self.trial_limit, self.wanted = start_limit, trial_limit, sides

@@ -155,7 +155,7 @@ def test_hello_picks_nccl_when_this_node_has_a_gpu_per_local_rank(monkeypatch, g
 def _fsdp_rows(tmp_path, device: str, nproc: int) -> dict:
     script = tmp_path / "fsdp_bytes.py"
     script.write_text(textwrap.dedent(cell(FSDP_SCRIPT)))
-    run = distributed.torchrun(script, "--device", device, "--width", 256, nproc=nproc, time_limit=120, echo=False,
+    run = distributed.torchrun(script, "--device", device, "--width", 256, nproc=nproc, time_limit=300, echo=False,
                                env={"OMP_NUM_THREADS": "1"})
     assert run.ok, run.failure()
     return {row["strategy"]: row for row in run.results()}

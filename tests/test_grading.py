@@ -1,6 +1,7 @@
 """The grader: solutions get full marks, blank exercises none, broken submissions a zero and a reason."""
 
 import json
+import re
 import shutil
 
 import nbformat
@@ -22,9 +23,19 @@ def installed(tmp_path_factory):
     edits to this checkout while the tests run are not "installed files changed"; returns the copy's folder."""
     site = tmp_path_factory.mktemp("site")
     shutil.copytree(ROOT / "gpulab", site / "gpulab", ignore=shutil.ignore_patterns("__pycache__"))
+    # The speed-ups lessons 06 and 08 ask for are judged with injected timings in their own tests (and measured under
+    # load by benchmarks/check_stability.py); here they are lowered, so no grade hinges on how busy this machine is.
+    _replace(site / "gpulab" / "questions" / "lesson06.py", r"^SPEEDUP = .*$", "SPEEDUP = 0.5")
+    _replace(site / "gpulab" / "questions" / "lesson08.py", r'"cpu": [0-9.]+', '"cpu": 0.25')
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(site))
         yield site / "gpulab"
+
+
+def _replace(path, pattern: str, value: str) -> None:
+    text, found = re.subn(pattern, value, path.read_text(), count=1, flags=re.MULTILINE)
+    assert found == 1, f"{pattern!r} not in {path.name}"
+    path.write_text(text)
 
 
 def _notebook(path, *sources):

@@ -78,14 +78,21 @@ def test_monitor_without_nvml_says_why_and_gives_an_empty_frame(monkeypatch, cap
     assert math.isnan(monitor.mean())
 
 
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the monitor took no sample"
+        time.sleep(0.005)
+
+
 def test_monitor_samples_into_a_frame(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(calls))
     with Monitor(interval=0.005, device="cpu") as monitor:
         monitor.mark("first")
-        time.sleep(0.05)
+        _until(lambda: (monitor.frame()["phase"] == "first").any())  # polled: a busy machine may delay the sampler
         monitor.mark("second")
-        time.sleep(0.05)
+        _until(lambda: (monitor.frame()["phase"] == "second").sum() >= 3)
     frame = monitor.frame()
     assert monitor.available and list(frame.columns) == list(COLUMNS)
     assert len(frame) >= 4 and frame["time_s"].is_monotonic_increasing

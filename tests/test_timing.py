@@ -8,7 +8,7 @@ from gpulab import bench
 
 def test_measures_what_it_runs():
     m = bench(time.sleep, 0.01, repeats=3, warmup=0)
-    assert m.runs == 3 and 0.009 < m.median < 0.05
+    assert m.runs == 3 and 0.009 < m.median < 0.5  # a unit or accounting slip, not load
     assert m.iqr >= 0 and "3 runs" in repr(m) and "ms" in repr(m)
 
 
