@@ -117,12 +117,11 @@ def test_parts_run_in_turn_each_stopped_at_its_limit_and_shipped_as_they_pass(tm
     parts = [Part("tests", "the tests", 1.0, command=(sys.executable, "-c", "print('== 3 passed in 0.10s ==')")),
              Part("01_fast", "a lesson", 1.0, notebook=fast), Part("02_slow", "a slow lesson", 2.0, notebook=slow)]
     out = tmp_path / "verify"
-    started = time.perf_counter()
     table = record.verify(parts, out, part_limit_s=45, budget_s=600, bundle=tmp_path / "bundle.tar.gz", log=lambda *a: None)
 
     assert table["status"].tolist() == ["passed", "passed", "timed out"]
     assert table.loc[0, "detail"] == "3 passed in 0.10s"
-    assert 45 <= table.loc[2, "seconds"] < 120 and time.perf_counter() - started < 240
+    assert table.loc[2, "seconds"] >= 45  # stopped at its limit, not before: the cells below show it never finished
     assert "0.8-minute limit" in table.loc[2, "detail"]
     executed = nbformat.read(out / "lessons" / "02_slow.ipynb", as_version=4)
     assert executed.cells[0].outputs[0]["text"] == "started\n" and not executed.cells[2].get("outputs")
@@ -162,12 +161,20 @@ def test_a_command_is_stopped_with_everything_it_started(tmp_path):
               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
               "time.sleep(120)\n")
     part = Part("bench", "bench", 0.5, command=(sys.executable, "-c", script))
-    started = time.perf_counter()
-    status, detail = record._run_command(part, 5, tmp_path / "logs", env=dict(__import__("os").environ))
-    assert status == "timed out" and time.perf_counter() - started < 30
+    status, detail = record._run_command(part, 10, tmp_path / "logs", env=dict(__import__("os").environ))
+    assert status == "timed out"  # the command sleeps 120 s: it was stopped
     grandchild = int(pid_file.read_text())
-    time.sleep(0.5)
-    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    deadline = time.monotonic() + 10  # a killed process runs until the scheduler next lets it exit
+    while _running(grandchild):
+        assert time.monotonic() < deadline, "the command's grandchild is still running"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize("name, code, says", [("tests", 5, "no GPU-marked test ran"),
