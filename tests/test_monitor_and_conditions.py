@@ -118,12 +118,12 @@ def test_the_default_device_on_a_cpu_machine_is_the_cpu(use_nvml, monkeypatch):
     assert not snapshot().gpu and calls == []
 
 
-def test_a_snapshot_is_cheap_on_a_cpu():
-    snapshot("cpu")
-    start = time.perf_counter()
-    for _ in range(100):
-        snapshot("cpu")
-    assert (time.perf_counter() - start) / 100 < 0.005  # a few µs; the bound only catches a blunder
+def test_a_snapshot_is_cheap_on_a_cpu(monkeypatch):
+    def no_waiting(seconds):
+        raise AssertionError(f"snapshot waited {seconds} s (sampling the CPU over an interval?)")
+
+    monkeypatch.setattr(time, "sleep", no_waiting)  # decided without a clock: a busy machine cannot fail it
+    assert snapshot("cpu").cpu_cores >= 1
 
 
 # ---------------------------------------------------------------- the GPU
