@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import conditions
+from .conditions import Conditions
 from .device import get_device
 from .timing import calls_per_run, synced_clock
 
@@ -33,7 +34,8 @@ class Comparison:
     """Paired seconds of a ``baseline`` and a ``candidate``; how many times faster the candidate is.
 
     ``min_effect`` is the smallest change that counts (0.02: 2 %), ``confidence`` the level of the interval
-    the verdict is read from. ``caveats`` say what made the machine unfit to measure (load, throttling).
+    the verdict is read from. ``conditions`` is the machine's state over the pairs (``compare`` watches it);
+    ``caveats`` say what it did that matters (load, power limit), with any notes the caller adds.
     """
 
     baseline: str
@@ -45,18 +47,21 @@ class Comparison:
     caveats: tuple[str, ...] = ()
     baseline_warmup: tuple[float, ...] = ()  # seconds of each warm-up call (compilation, caches, workers starting)
     candidate_warmup: tuple[float, ...] = ()
+    conditions: Conditions | None = None
 
     @classmethod
     def of(cls, baseline_times, candidate_times, *, labels=("baseline", "candidate"), min_effect: float = 0.02,
-           confidence: float = 0.9, caveats=()) -> "Comparison":
+           confidence: float = 0.9, caveats=(), conditions: Conditions | None = None) -> "Comparison":
         """A comparison of pairs measured elsewhere: ``baseline_times[i]`` and ``candidate_times[i]`` were taken
-        side by side (seconds, or any cost where less is better)."""
+        side by side (seconds, or any cost where less is better); ``conditions``, the machine's state meanwhile
+        (a ``conditions.Watch`` over the pairs), adds its caveats to ``caveats``."""
         a, b = tuple(map(float, baseline_times)), tuple(map(float, candidate_times))
         if len(a) != len(b) or not a:
             raise ValueError(f"a comparison needs pairs: got {len(a)} baseline and {len(b)} candidate times")
         if not all(t > 0 and math.isfinite(t) for t in a + b):
             raise ValueError("every time of a comparison must be a positive, finite number of seconds")
-        return cls(str(labels[0]), str(labels[1]), a, b, min_effect, confidence, tuple(caveats))
+        caveats = tuple(dict.fromkeys([*caveats, *(conditions.caveats() if conditions else [])]))
+        return cls(str(labels[0]), str(labels[1]), a, b, min_effect, confidence, caveats, conditions=conditions)
 
     @property
     def pairs(self) -> int:
@@ -110,11 +115,22 @@ class Comparison:
         low, high = self.interval
         return self.speedup - low, high - self.speedup
 
+    @property
+    def advice(self) -> str:
+        """What to do before trusting the verdict ("rerun on a quiet machine ..."), "" when nothing."""
+        return self.conditions.advice() if self.conditions else ""
+
     def row(self) -> dict:
-        """The comparison as a results row: speed-up, interval, pairs, verdict."""
+        """The comparison as a results row: speed-up, interval, pairs, verdict, and the machine's state over the
+        pairs (its clocks, throttling and load, with the caveats) where it was watched."""
         low, high = self.interval
-        return {"speedup": self.speedup, "speedup_low": low, "speedup_high": high, "pairs": self.pairs,
-                "verdict": self.verdict}
+        row = {"speedup": self.speedup, "speedup_low": low, "speedup_high": high, "pairs": self.pairs,
+               "verdict": self.verdict}
+        if self.conditions is not None:
+            row.update(self.conditions.row())
+        if self.caveats:
+            row["caveat"] = "; ".join(self.caveats)
+        return row
 
     def __str__(self) -> str:
         low, high = self.interval
@@ -172,7 +188,7 @@ def compare(baseline, candidate, *, labels=None, pairs: int | None = None, numbe
     timers = [timeit.Timer("fn()", timer=synced_clock, globals={"fn": fn}) for fn in (baseline, candidate)]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    before = conditions.snapshot(device)
+    watch = conditions.Watch(device).start()
     try:
         warm = [tuple(timer.timeit(1) for _ in range(warmup)) for timer in timers]
         target = min_time / (2 * (pairs or MIN_PAIRS * 2))
@@ -187,9 +203,8 @@ def compare(baseline, candidate, *, labels=None, pairs: int | None = None, numbe
                 spent += seconds
     finally:
         torch.set_num_threads(previous)
-    state = conditions.during(before, conditions.snapshot(device))
-    comparison = Comparison.of(*times, labels=labels, min_effect=min_effect, confidence=confidence,
-                               caveats=state.caveats())
+        state = watch.stop()
+    comparison = Comparison.of(*times, labels=labels, min_effect=min_effect, confidence=confidence, conditions=state)
     return replace(comparison, baseline_warmup=warm[0], candidate_warmup=warm[1])
 
 

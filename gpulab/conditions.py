@@ -1,45 +1,57 @@
-"""The state of the machine while something was measured: how busy the CPU was, and on a GPU its SM clock,
-throttling, temperature and power.
+"""The state of the machine while something was measured: how busy the CPU was, and on a GPU its SM clock over the
+measured span, why the clocks were held down, temperature and power.
 
-    before = conditions.snapshot(device)
-    ...                                              # the measured work
-    state = conditions.during(before, conditions.snapshot(device))
-    print(f"{seconds * 1e3:.2f} ms", *state.caveats())
+    with conditions.Watch(device) as watch:
+        ...                                          # the measured work
+    print(f"{seconds * 1e3:.2f} ms", *watch.conditions.caveats())
 
-A number measured while the GPU's clocks were held down by a power or thermal limit, or while more threads
-wanted to run than the CPU has cores, is still a number, but not this machine's best: ``caveats()`` says so
-in plain words, and ``gpulab.ResultLog`` records the state, and the caveats, beside each row.
+On a GPU, ``Watch`` samples NVML in a background thread while the work runs (every 50 ms, and once more as it
+ends): the lowest, median and highest SM clock, every reason NVML gave for holding the clocks down, the hottest
+and the most power seen. What the GPU did *before* the span (a large matrix product that left it at its power
+limit) is not the span's: the reading taken as the span starts is kept out, and NVML's running totals of throttled
+time are compared over the span itself.
+
+A number measured at a power limit is normal for long, dense work (a large matmul holds any GPU at its limit), so
+the caveat says what was seen; only a machine that was busy with other work (more threads wanting to run than the
+CPU has cores) gets the advice to measure again on a quiet machine (``advice``). ``gpulab.ResultLog`` records the
+state and the caveats beside each row.
 
 The load average is the whole machine's (in a container often the host's), averaged over the last minute, and
-it counts the measurement's own threads; it is a hint, not proof. A snapshot costs a few microseconds on a
-CPU and a few NVML calls on a GPU (NVML is started once and kept open, see ``gpulab.nvml.shared``).
+it counts the measurement's own threads; it is a hint, not proof. NVML is started once and kept open (see
+``gpulab.nvml.shared``).
 """
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+import statistics
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from . import nvml
 
 nan = math.nan
+POWER = ("SW power cap", "power brake", "board limit")  # held at the power limit: what dense work does
+HEAT = ("SW thermal slowdown", "HW thermal slowdown", "HW slowdown", "thermal slowdown")
 
 
 @dataclass(frozen=True)
 class Conditions:
-    """The machine at one moment (``snapshot``) or over a span (``during``); NaN or empty where unknown."""
+    """The machine at one moment (``snapshot``) or over a span (``Watch``); NaN or empty where unknown."""
 
     load_avg: float = nan  # 1-minute load average: threads running or waiting for a CPU core
     cpu_cores: int = 0  # CPU cores this process may run on (0: unknown)
     gpu: bool = False  # the readings below were asked of a GPU (they stay NaN where NVML cannot answer)
-    sm_clock_mhz: float = nan  # SM clock now (during: at the end, just after the work ran)
-    sm_clock_max_mhz: float = nan
-    gpu_temp_c: float = nan
-    gpu_power_w: float = nan
+    sm_clock_mhz: float = nan  # the median SM clock over the span (a snapshot: the reading)
+    sm_clock_low_mhz: float = nan  # the lowest and highest SM clock seen over the span
+    sm_clock_high_mhz: float = nan
+    sm_clock_max_mhz: float = nan  # the card's maximum SM clock
+    gpu_temp_c: float = nan  # the hottest seen
+    gpu_power_w: float = nan  # the most power drawn
     gpu_power_limit_w: float = nan
     throttle: tuple[str, ...] = ()  # why the clocks were held down ("SW power cap", ...); GPU idle is not throttling
-    throttle_ns: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # NVML's running totals, for during()
+    throttle_ns: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # NVML's running totals, for Watch
 
     @property
     def oversubscribed(self) -> bool:
@@ -50,66 +62,135 @@ class Conditions:
     def throttled(self) -> bool:
         return bool(self.throttle)
 
+    @property
+    def busy(self) -> bool:
+        """The machine was busy with other work: the measurement is not this machine's best, and a rerun on a
+        quiet machine would measure something else."""
+        return self.oversubscribed
+
+    def clocks(self) -> str:
+        """The SM clock over the span in words ("1515–1980 MHz of 1980"), "" where unknown."""
+        if self.sm_clock_low_mhz != self.sm_clock_low_mhz:
+            return ""
+        low, high = self.sm_clock_low_mhz, self.sm_clock_high_mhz
+        span = f"{low:.0f} MHz" if low == high else f"{low:.0f}–{high:.0f} MHz"
+        return span + (f" of {self.sm_clock_max_mhz:.0f}" if self.sm_clock_max_mhz == self.sm_clock_max_mhz else "")
+
     def caveats(self) -> list[str]:
-        """Plain sentences on what makes a measurement taken in these conditions suspect; empty when nothing does."""
+        """Plain sentences on what the machine did while this was measured, where it matters; empty when nothing
+        does."""
         said = []
         if self.oversubscribed:
             cores = f"{self.cpu_cores} core" + ("s" if self.cpu_cores != 1 else "")
             said.append(f"the CPU was oversubscribed (load average {self.load_avg:.1f} on {cores})")
-        if self.throttled:
-            said.append(f"the GPU was throttled ({', '.join(self.throttle)})")
+        clocks = f"; SM clock {self.clocks()}" if self.clocks() else ""
+        power = [r for r in self.throttle if r in POWER]
+        heat = [r for r in self.throttle if r in HEAT]
+        other = [r for r in self.throttle if r not in POWER and r not in HEAT]
+        if power:
+            said.append(f"the GPU ran at its power limit ({', '.join(power)}{clocks}), as long, dense work does")
+        if heat:
+            said.append(f"the GPU slowed down for heat or a hardware limit ({', '.join(heat)}{clocks if not power else ''})")
+        if other:
+            said.append(f"the GPU's clocks were held down ({', '.join(other)})")
         return said
+
+    def advice(self) -> str:
+        """What to do before trusting the number: "" when the conditions were fit to measure."""
+        if self.busy:
+            return "rerun on a quiet machine before trusting it"
+        if any(r in HEAT for r in self.throttle):
+            return "check the GPU's cooling before trusting it"
+        return ""
 
     def row(self) -> dict:
         """The columns a results row records: load and cores always, the GPU's readings on a GPU, and ``caveat``."""
         row = {"load_avg": round(self.load_avg, 2), "cpu_cores": self.cpu_cores}
         if self.gpu:
-            row.update(sm_clock_mhz=self.sm_clock_mhz, sm_clock_max_mhz=self.sm_clock_max_mhz,
+            row.update(sm_clock_mhz=self.sm_clock_mhz, sm_clock_low_mhz=self.sm_clock_low_mhz,
+                       sm_clock_high_mhz=self.sm_clock_high_mhz, sm_clock_max_mhz=self.sm_clock_max_mhz,
                        gpu_temp_c=self.gpu_temp_c, gpu_power_w=round(self.gpu_power_w, 1),
                        gpu_power_limit_w=round(self.gpu_power_limit_w, 1), throttle=", ".join(self.throttle))
         row["caveat"] = "; ".join(self.caveats())
         return row
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """One NVML reading: SM clock (MHz), temperature (°C), power (W), throttle reasons."""
+
+    clock: float
+    temp: float
+    power: float
+    reasons: tuple[str, ...]
+
+
 def snapshot(device: str | torch.device | int | None = None) -> Conditions:
     """The machine's state now; the GPU is read only when ``device`` (default: the course device) is a CUDA one."""
     load, cores = load_average(), cpu_cores()
-    index = _cuda_index(device)
-    if index is None:
-        return Conditions(load, cores)
-    try:
-        nv, handle = nvml.shared(index)
-    except nvml.NvmlUnavailable:
-        return Conditions(load, cores, gpu=True)
-    clock = nvml.read(nv, "nvmlDeviceGetClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1))
-    clock_max = nvml.read(nv, "nvmlDeviceGetMaxClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1))
-    temp = nvml.read(nv, "nvmlDeviceGetTemperature", handle, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
-    power_mw = nvml.read(nv, "nvmlDeviceGetPowerUsage", handle)
-    limit_mw = nvml.read(nv, "nvmlDeviceGetEnforcedPowerLimit", handle)
-    return Conditions(
-        load, cores, True, _number(clock), _number(clock_max), _number(temp), _number(power_mw) / 1e3,
-        _number(limit_mw) / 1e3, nvml.throttle_reasons(nv, handle), nvml.throttle_time_ns(nv, handle),
-    )
+    handle = _nvml_handle(device)
+    if handle is None:
+        return Conditions(load, cores, gpu=_cuda_index(device) is not None)
+    nv, h = handle
+    now = _read(nv, h)
+    return Conditions(load, cores, True, now.clock, now.clock, now.clock, _max_clock(nv, h), now.temp, now.power,
+                      _power_limit(nv, h), now.reasons, nvml.throttle_time_ns(nv, h))
 
 
-def during(before: Conditions, after: Conditions) -> Conditions:
-    """The state over a span, from snapshots at its start and end: the worse of the two (the higher load,
-    temperature and power, every throttle reason either saw, plus any throttling NVML counted in between,
-    which neither moment may show); the SM clock read at the end."""
-    counted = dict(before.throttle_ns)
-    grew = tuple(cause for cause, ns in after.throttle_ns if ns > counted.get(cause, ns))
-    return replace(
-        after,
-        load_avg=_worst(before.load_avg, after.load_avg),
-        cpu_cores=after.cpu_cores or before.cpu_cores,
-        gpu=before.gpu or after.gpu,
-        sm_clock_mhz=_known(after.sm_clock_mhz, before.sm_clock_mhz),
-        sm_clock_max_mhz=_known(after.sm_clock_max_mhz, before.sm_clock_max_mhz),
-        gpu_temp_c=_worst(before.gpu_temp_c, after.gpu_temp_c),
-        gpu_power_w=_worst(before.gpu_power_w, after.gpu_power_w),
-        gpu_power_limit_w=_known(after.gpu_power_limit_w, before.gpu_power_limit_w),
-        throttle=tuple(dict.fromkeys(before.throttle + after.throttle + grew)),
-    )
+class Watch:
+    """The machine's state over a span: ``with Watch(device) as w: ...``, then ``w.conditions``. On a GPU, NVML is
+    read every ``interval`` seconds in a background thread while the span runs, and once more as it ends."""
+
+    def __init__(self, device: str | torch.device | int | None = None, interval: float = 0.05):
+        self.device, self.interval = device, interval
+        self.conditions: Conditions | None = None
+        self._readings: list[_Reading] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Watch":
+        self._load = load_average()
+        self._handle = _nvml_handle(self.device)
+        if self._handle is not None:
+            nv, h = self._handle
+            self._totals = nvml.throttle_time_ns(nv, h)
+            self._thread = threading.Thread(target=self._sample, name="gpulab-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> Conditions:
+        """End the span; its conditions (also kept in ``self.conditions``)."""
+        load, cores = _worst(self._load, load_average()), cpu_cores()
+        if self._handle is None:
+            self.conditions = Conditions(load, cores, gpu=_cuda_index(self.device) is not None)
+            return self.conditions
+        self._stop.set()
+        self._thread.join()
+        nv, h = self._handle
+        readings = [*self._readings, _read(nv, h)]  # the end: the clock just after the work ran
+        totals = nvml.throttle_time_ns(nv, h)
+        before = dict(self._totals)
+        grew = tuple(cause for cause, ns in totals if ns > before.get(cause, ns))
+        clocks = [r.clock for r in readings if r.clock == r.clock]
+        self.conditions = Conditions(
+            load, cores, True,
+            statistics.median(clocks) if clocks else nan, min(clocks, default=nan), max(clocks, default=nan),
+            _max_clock(nv, h), max((r.temp for r in readings if r.temp == r.temp), default=nan),
+            max((r.power for r in readings if r.power == r.power), default=nan), _power_limit(nv, h),
+            tuple(dict.fromkeys([reason for r in readings for reason in r.reasons] + list(grew))), totals,
+        )
+        return self.conditions
+
+    def __enter__(self) -> "Watch":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _sample(self) -> None:
+        nv, h = self._handle
+        while not self._stop.wait(self.interval):  # not at the start: that reading is what ran before the span
+            self._readings.append(_read(nv, h))
 
 
 def load_average() -> float:
@@ -126,6 +207,32 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 0
+
+
+def _nvml_handle(device):
+    """``(pynvml, handle)`` of the CUDA device ``device`` names; None for another device, or where NVML is missing."""
+    index = _cuda_index(device)
+    if index is None:
+        return None
+    try:
+        return nvml.shared(index)
+    except nvml.NvmlUnavailable:
+        return None
+
+
+def _read(nv, handle) -> _Reading:
+    clock = nvml.read(nv, "nvmlDeviceGetClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1))
+    temp = nvml.read(nv, "nvmlDeviceGetTemperature", handle, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
+    power_mw = nvml.read(nv, "nvmlDeviceGetPowerUsage", handle)
+    return _Reading(_number(clock), _number(temp), _number(power_mw) / 1e3, nvml.throttle_reasons(nv, handle))
+
+
+def _max_clock(nv, handle) -> float:
+    return _number(nvml.read(nv, "nvmlDeviceGetMaxClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1)))
+
+
+def _power_limit(nv, handle) -> float:
+    return _number(nvml.read(nv, "nvmlDeviceGetEnforcedPowerLimit", handle)) / 1e3
 
 
 def _cuda_index(device) -> int | None:
@@ -153,7 +260,3 @@ def _number(value) -> float:
 def _worst(a: float, b: float) -> float:
     """The larger of two readings, either of which may be unknown (NaN)."""
     return max((v for v in (a, b) if v == v), default=nan)
-
-
-def _known(a: float, b: float) -> float:
-    return a if a == a else b

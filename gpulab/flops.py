@@ -1,24 +1,30 @@
 """MFU done right: the FLOPs of a step counted by ``torch.utils.flop_counter.FlopCounterMode``, cross-checked against
-the analytic rule for transformers, divided by the **measured** matmul ceiling of the precision the step really ran in.
+the analytic rule for transformers, divided by the vendor's **dense** peak of the precision the step really ran in,
+with the ceiling **measured** on this card beside it.
 
-Model FLOPs utilisation (MFU) is the model's FLOPs per second over what this device can really do. It goes wrong in
-four known ways, and each has its guard here:
+Model FLOPs utilisation (MFU) is the model's FLOPs per second over the card's peak. As PaLM, Megatron-LM,
+torchtitan and nanoGPT report it, the peak is the vendor's dense datasheet figure of the precision used
+(``gpulab.datasheets``), so that one MFU compares with another; beside it, "of achievable" divides by the best this
+card measurably reaches in that precision (ml-engineering's MAMF finder: an H100 SXM reaches about 792 of its 989
+bf16 TFLOP/s). It goes wrong in known ways, and each has its guard here:
 
 - the FLOPs: counted by ``count`` (``FlopCounterMode``, never a hand-written counter) and cross-checked against the
   analytic rule (``gpt_flops_per_token``: every matmul of a GPT, and ``rule_flops_per_token``: 6·N + 12·L·d·T per
-  token, PaLM's appendix B and nanoGPT's ``estimate_mfu``). A count far above the rule (nanoGPT PR #464 reported
-  104 % MFU) shows up as a disagreement, and an MFU above 100 % is flagged (``Utilisation.warning``);
-- the ceiling's precision: ``precision_of`` says which one a step's matmuls ran in (bf16 under bf16 autocast,
-  whatever the TF32 switch says), and ``mfu`` refuses to divide a step by another precision's ceiling (torchtitan
-  #668 divided bf16 runs by the TF32 peak);
-- the ceiling itself: ``ceiling`` measures the best matmul this device reaches in that precision, by a short search
-  over shapes as ml-engineering's MAMF finder does. The vendor's dense datasheet peak is shown beside it, never a
-  sparse one ("with sparsity" figures are twice the dense ones), and never another GPU's constant;
+  token, PaLM's appendix B and nanoGPT's ``estimate_mfu``);
+- the peak's card and precision: ``precision_of`` says which precision a step's matmuls ran in (bf16 under bf16
+  autocast, whatever the TF32 switch says), and ``mfu`` refuses to divide a step by another precision's ceiling
+  (torchtitan #668 divided bf16 runs by the TF32 peak); the datasheet peak is this card's own (nanoGPT's 104 % in
+  PR #464 divided an H100 run by the A100's peak), dense, never a sparse one ("with sparsity" figures are twice the
+  dense ones);
+- the ceiling itself: ``ceiling`` measures the best matmul this device reaches in that precision, by a search over
+  shapes as the MAMF finder does, each timed long enough at steady clocks, with the clocks it ran at recorded. A
+  step that beats its ceiling shows the ceiling was not this machine's best (measured while the CPU was busy, say):
+  ``mfu`` measures it again, and a figure above 100 % is never shown as a result (``Utilisation.warning``);
 - recomputation: FLOPs that run twice (activation checkpointing, flash attention's backward) are hardware FLOPs. MFU
   counts the model's FLOPs once; HFU (hardware FLOPs utilisation) counts what ran, and is shown beside it.
 
     >>> step = flops.count(lambda: model(x, y).backward())          # FLOPs of a training step, as run
-    >>> peak = flops.ceiling("bf16")                                  # measured here, cached for the process
+    >>> peak = flops.ceiling("bf16")                                  # measured here, kept for the process
     >>> print(flops.mfu(step.total, seconds_per_step, peak, precision="bf16"))
 """
 
@@ -28,24 +34,21 @@ import statistics
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from . import datasheets
+from .conditions import Conditions, Watch
 from .device import device_info, get_device
 from .mode import by_mode
-from .precision import calls_to_fill, datasheet_gpu, datasheet_peak, matmul_flops, timed_calls
+from .precision import calls_to_fill, matmul_flops, timed_calls
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp8": getattr(torch, "float8_e4m3fn", None)}
-# Vendor datasheet figures for fp8 (dense: half the "with sparsity" figure), not measurements; the other precisions'
-# come from gpulab.precision.DATASHEET_TFLOPS.
-DATASHEET_FP8_TFLOPS = {"H100 SXM": 1978.9, "H100 PCIe": 1513.0, "H100 NVL": 1670.5, "L4": 242.5}
-
-
 # ----- which precision a step's matmuls ran in ---------------------------------------------------------------------
 
 def tf32_enabled(convolutions: bool = False) -> bool:
@@ -89,11 +92,8 @@ def precisions_here(device=None) -> list[str]:
 
 def datasheet(name: str, precision: str) -> float | None:
     """The vendor's dense datasheet peak in TFLOP/s for a device name and precision (None where not listed: CPUs, and
-    GPUs the course has no figure for). Dense: never the "with sparsity" figure."""
-    if precision == "fp8":
-        entry = datasheet_gpu(name)
-        return DATASHEET_FP8_TFLOPS.get(entry) if entry else None
-    return datasheet_peak(name, precision)
+    GPUs the course has no figure for; see ``gpulab.datasheets``). Dense: never the "with sparsity" figure."""
+    return datasheets.peak(name, precision)
 
 
 # ----- counting FLOPs ----------------------------------------------------------------------------------------------
@@ -190,7 +190,8 @@ def rule_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int)
 
 @dataclass(frozen=True)
 class Ceiling:
-    """The measured matmul ceiling of one precision on one device: the median TFLOP/s at the fastest shape searched."""
+    """The measured matmul ceiling of one precision on one device: the median TFLOP/s at the fastest shape searched,
+    and the machine's state while that shape was timed (its SM clock range, any power or thermal limit)."""
 
     precision: str
     tflops: float
@@ -198,6 +199,8 @@ class Ceiling:
     by_shape: dict = field(default_factory=dict)  # {(m, n, k): median TFLOP/s}
     device_name: str = ""
     datasheet_tflops: float | None = None  # the vendor's dense peak (None where unknown)
+    conditions: Conditions | None = None  # over the fastest shape's timed products
+    key: tuple | None = field(default=None, repr=False, compare=False)  # how ``ceiling`` measured it, to measure again
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -205,17 +208,23 @@ class Ceiling:
         if not (self.tflops > 0 and math.isfinite(self.tflops)):
             raise ValueError(f"a ceiling is a positive number of TFLOP/s, got {self.tflops!r}")
 
+    def __float__(self) -> float:
+        return float(self.tflops)
+
     def row(self) -> dict:
         m, n, k = self.shape or (None, None, None)
+        state = self.conditions.row() if self.conditions else {}
         return {"precision": self.precision, "ceiling_tflops": self.tflops, "m": m, "n": n, "k": k,
                 "datasheet_tflops": self.datasheet_tflops,
-                "of_datasheet": self.tflops / self.datasheet_tflops if self.datasheet_tflops else None}
+                "of_datasheet": self.tflops / self.datasheet_tflops if self.datasheet_tflops else None, **state}
 
     def __str__(self) -> str:
         shape = f" at {'×'.join(map(str, self.shape))}" if self.shape else ""
+        clocks = self.conditions.clocks() if self.conditions else ""
+        clocks = f", SM clock {clocks}" if clocks else ""
         sheet = (f"; {self.tflops / self.datasheet_tflops:.0%} of the datasheet's dense {self.datasheet_tflops:g}"
                  if self.datasheet_tflops else "")
-        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{sheet}"
+        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{sheet}"
 
 
 MAX_PRODUCT_S = 0.25  # a shape whose product would take longer than this is not tried
@@ -228,7 +237,7 @@ def search_shapes(device=None) -> list[tuple[int, int, int]]:
     if cuda:
         full = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
                 (8192, 8192, 2048), (16384, 8192, 1024), (4096, 16384, 4096), (16384, 4096, 8192),
-                (6144, 16384, 2048), (8192, 4096, 16384)]
+                (6144, 16384, 2048), (8192, 4096, 16384), (8192, 8192, 4096), (12288, 12288, 4096)]
         quick = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 1024)]
     else:
         full = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (1024, 2048, 512), (2048, 1024, 1024)]
@@ -269,15 +278,18 @@ def _products(precision: str, m: int, n: int, k: int, device: torch.device) -> l
     return found
 
 
-_WARMED: set[str] = set()
+_MEASURED: dict[tuple, Ceiling] = {}  # the best ceiling measured so far, per (precision, device, shapes, seconds)
+_AGAIN: set[tuple] = set()  # the ceilings measured again because a step beat them
 
 
-def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None = None) -> Ceiling:
-    """The best matmul this device reaches in ``precision``: each of ``shapes`` (default ``search_shapes``) timed for
-    about ``seconds`` of back-to-back products (between CUDA events on a GPU), after a short warm-up of its own; the
-    ceiling is the median TFLOP/s of the fastest shape. A GPU's clocks are ramped up once per process first (1 s of
-    products). Shapes whose product would take over a quarter of a second are skipped. Measured once per process and
-    device for the same arguments (cached); "tf32" and "fp32" set the TF32 switch while they measure, then restore it."""
+def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None = None, again: bool = False) -> Ceiling:
+    """The best matmul this device reaches in ``precision``: each of ``shapes`` (default ``search_shapes``) warmed up
+    (the precision's own products first, until the clocks have settled under its load), then timed for about
+    ``seconds`` of back-to-back products (between CUDA events on a GPU) while the SM clock and throttling are
+    watched; the ceiling is the median TFLOP/s of the fastest shape. Shapes whose product would take over a quarter of
+    a second are skipped. Kept for the process and device for the same arguments; ``again=True`` measures once more
+    and keeps the better of the two (a ceiling measured while the machine was busy is not its best). "tf32" and
+    "fp32" set the TF32 switch while they measure, then restore it."""
     device = get_device(device)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
@@ -286,22 +298,25 @@ def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None =
         raise ValueError(f"{precision} matmuls do not run natively on {device_info(device).name} (it has "
                          f"{', '.join(here)}): there is no {precision} ceiling to divide by here")
     shapes = tuple(tuple(int(d) for d in s) for s in (shapes or search_shapes(device)))
-    seconds = by_mode(full=0.15, quick=0.01) if seconds is None else float(seconds)
-    return _measured_ceiling(precision, str(device), shapes, seconds)
+    seconds = by_mode(full=0.4, quick=0.01) if seconds is None else float(seconds)
+    key = (precision, str(device), shapes, seconds)
+    if again or key not in _MEASURED:
+        measured = replace(_measure_ceiling(precision, device, shapes, seconds), key=key)
+        known = _MEASURED.get(key)
+        _MEASURED[key] = measured if known is None or measured.tflops > known.tflops else known
+    return _MEASURED[key]
 
 
-@functools.cache
-def _measured_ceiling(precision: str, device: str, shapes: tuple, seconds: float) -> Ceiling:
-    device = torch.device(device)
+def _measure_ceiling(precision: str, device: torch.device, shapes: tuple, seconds: float) -> Ceiling:
     cuda = device.type == "cuda"
-    by_shape = {}
+    by_shape, watched = {}, {}
     with _matmul_precision(precision, cuda):
-        if cuda and str(device) not in _WARMED:  # clocks ramp up under load: a second of large products first
-            warm, started = _products("fp16", 8192, 8192, 8192, device)[0], time.perf_counter()
+        if cuda:  # the clocks settle under the precision's own load: a tensor-core product draws more power
+            largest = max(shapes, key=lambda s: s[0] * s[1] * s[2])
+            warm, started = _products(precision, *largest, device)[0], time.perf_counter()
             while time.perf_counter() - started < by_mode(full=1.0, quick=0.1):
-                timed_calls(warm, 10, device)
+                timed_calls(warm, 5, device)
             del warm
-            _WARMED.add(str(device))
         for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
             flops = matmul_flops(m, n, k)
             if by_shape and flops / (max(by_shape.values()) * 1e12) > MAX_PRODUCT_S:
@@ -309,12 +324,16 @@ def _measured_ceiling(precision: str, device: str, shapes: tuple, seconds: float
             for product in _products(precision, m, n, k, device):  # the faster kernel counts
                 one = timed_calls(product, 1, device)[0]  # loads the library's kernel; how long one product takes
                 timed_calls(product, calls_to_fill(seconds / 3, one, 1, 1000), device)
-                times = timed_calls(product, calls_to_fill(seconds, one, 3, 10_000), device)
-                by_shape[(m, n, k)] = max(by_shape.get((m, n, k), 0.0), flops / statistics.median(times) / 1e12)
+                with Watch(device) as watch:
+                    times = timed_calls(product, calls_to_fill(seconds, one, 3, 10_000), device)
+                rate = flops / statistics.median(times) / 1e12
+                if rate > by_shape.get((m, n, k), 0.0):
+                    by_shape[(m, n, k)], watched[(m, n, k)] = rate, watch.conditions
                 del product
     best = max(by_shape, key=by_shape.get)
     name = device_info(device).name
-    return Ceiling(precision, by_shape[best], best, by_shape, name, datasheet(name, precision) if cuda else None)
+    return Ceiling(precision, by_shape[best], best, by_shape, name, datasheet(name, precision) if cuda else None,
+                   watched[best])
 
 
 def ceilings(precisions=None, device=None, **options) -> dict[str, Ceiling]:
@@ -322,12 +341,27 @@ def ceilings(precisions=None, device=None, **options) -> dict[str, Ceiling]:
     return {p: ceiling(p, device, **options) for p in (precisions or precisions_here(device))}
 
 
+def reference_peak(precisions, device=None) -> tuple[str, float]:
+    """(precision, TFLOP/s) of the fastest of ``precisions`` on this device: its dense datasheet peak, or on a
+    device without one (a CPU) its measured ceiling. A waterfall whose steps change precision measures every step
+    against this one peak, so that its MFU curve means progress: a bf16 step at three times the tokens/s of an
+    fp32 one can show a lower MFU than fp32 when each is divided by its own precision's peak."""
+    device = get_device(device)
+    name = device_info(device).name
+    peaks = {p: datasheet(name, p) if device.type == "cuda" else None for p in precisions}
+    if not all(peaks.values()):
+        peaks = {p: ceiling(p, device).tflops for p in precisions}
+    best = max(peaks, key=peaks.get)
+    return best, peaks[best]
+
+
 # ----- MFU and HFU -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Utilisation:
-    """A step's model FLOPs per second over the ceiling of its precision (MFU), and its hardware FLOPs (what ran,
-    recomputation included) over the same ceiling (HFU)."""
+    """A step's model FLOPs per second over the dense datasheet peak of its precision (MFU, the field's figure) and
+    over the ceiling measured on this card ("of achievable"); HFU counts the hardware FLOPs (what ran, recomputation
+    included) the same two ways. NaN where the card has no datasheet figure (a CPU, a card not listed)."""
 
     precision: str
     model_flops: float  # per step
@@ -341,49 +375,81 @@ class Utilisation:
         return self.model_flops / self.seconds / 1e12
 
     @property
+    def hardware_tflops(self) -> float:
+        return (self.hardware_flops or self.model_flops) / self.seconds / 1e12
+
+    @property
     def mfu(self) -> float:
+        """The model's TFLOP/s over the vendor's dense peak of the step's precision (NaN where unknown)."""
+        return self.achieved_tflops / self.datasheet_tflops if self.datasheet_tflops else math.nan
+
+    @property
+    def of_achievable(self) -> float:
+        """The model's TFLOP/s over the ceiling measured on this card."""
         return self.achieved_tflops / self.ceiling_tflops
 
     @property
     def hfu(self) -> float:
-        return (self.hardware_flops or self.model_flops) / self.seconds / 1e12 / self.ceiling_tflops
+        """The hardware FLOP/s over the dense datasheet peak (NaN where unknown)."""
+        return self.hardware_tflops / self.datasheet_tflops if self.datasheet_tflops else math.nan
 
     @property
-    def of_datasheet(self) -> float | None:
-        """The model's TFLOP/s over the vendor's dense datasheet peak (None where unknown)."""
-        return self.achieved_tflops / self.datasheet_tflops if self.datasheet_tflops else None
+    def hfu_of_achievable(self) -> float:
+        return self.hardware_tflops / self.ceiling_tflops
+
+    def against(self, tflops: float) -> float:
+        """The model's TFLOP/s over another peak (``reference_peak``: one peak for a waterfall across precisions)."""
+        return self.achieved_tflops / tflops
+
+    @property
+    def impossible(self) -> bool:
+        """Above 100 % of the measured ceiling or of the datasheet peak: not a result."""
+        return self.hfu_of_achievable > 1.0 or self.hfu > 1.0
 
     @property
     def warning(self) -> str:
         """What is wrong when the numbers are impossible ("" when they are not)."""
-        if self.hfu > 1.0 or self.mfu > 1.0:
-            return (f"above 100 % of the measured {self.precision} ceiling: the FLOPs are over-counted, the ceiling is "
-                    "another precision's or was measured with a slower kernel than the step's, or the step was timed "
-                    "without waiting for the GPU")
+        if self.hfu > 1.0:
+            return (f"{self.hardware_tflops:.3g} TFLOP/s is above the card's dense {self.precision} peak of "
+                    f"{self.datasheet_tflops:g}: the FLOPs are over-counted, the peak is another card's or precision's, "
+                    "or the step was timed without waiting for the GPU")
+        if self.hfu_of_achievable > 1.0:
+            return (f"{self.hardware_tflops:.3g} TFLOP/s is above the {self.precision} ceiling measured here "
+                    f"({self.ceiling_tflops:.3g}): that ceiling was not this machine's best (measured while the "
+                    "machine was busy?), so no share of it is shown")
         return ""
 
     def row(self) -> dict:
+        shown = not self.impossible
         return {"precision": self.precision, "achieved_tflops": self.achieved_tflops,
-                "ceiling_tflops": self.ceiling_tflops, "mfu": self.mfu,
-                "hfu": self.hfu if self.hardware_flops else None, "datasheet_tflops": self.datasheet_tflops,
-                "of_datasheet": self.of_datasheet}
+                "datasheet_tflops": self.datasheet_tflops, "mfu": self.mfu if shown else math.nan,
+                "ceiling_tflops": self.ceiling_tflops, "of_achievable": self.of_achievable if shown else math.nan,
+                "hfu": self.hfu if self.hardware_flops and shown else math.nan,
+                "mfu_warning": self.warning}
 
     def __str__(self) -> str:
-        text = (f"MFU {self.mfu:.1%}: {self.achieved_tflops:.3g} TFLOP/s of model FLOPs over the measured {self.precision} "
-                f"ceiling of {self.ceiling_tflops:.3g}")
-        if self.hardware_flops and self.hardware_flops != self.model_flops:
-            text += f"; HFU {self.hfu:.1%} (recomputed FLOPs included)"
+        if self.impossible:
+            return f"MFU not shown: {self.warning}"
         if self.datasheet_tflops:
-            text += f"; {self.of_datasheet:.1%} of the datasheet's dense {self.datasheet_tflops:g}"
-        return text + (f" — {self.warning}" if self.warning else "")
+            text = (f"MFU {self.mfu:.1%} ({self.achieved_tflops:.3g} TFLOP/s of model FLOPs over the dense "
+                    f"{self.precision} peak of {self.datasheet_tflops:g})")
+        else:
+            text = f"MFU unknown (no vendor's {self.precision} peak for this device: {self.achieved_tflops:.3g} TFLOP/s)"
+        text += (f"; {self.of_achievable:.1%} of achievable (the {self.precision} ceiling measured here, "
+                 f"{self.ceiling_tflops:.3g})")
+        if self.hardware_flops and self.hardware_flops != self.model_flops:
+            hfu = f"{self.hfu:.1%}" if self.datasheet_tflops else f"{self.hfu_of_achievable:.1%} of achievable"
+            text += f"; HFU {hfu} (recomputed FLOPs included)"
+        return text
 
 
 def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Ceiling]", *, precision: str | None = None,
         hardware_flops: float | None = None) -> Utilisation:
-    """MFU (and HFU) of a step that does ``model_flops`` in ``seconds``: its TFLOP/s over the measured ceiling of
-    ``precision``, the precision its matmuls ran in (``precision_of``). ``ceiling`` is that precision's ``Ceiling``,
-    or a mapping of precisions to ceilings (``ceilings()``) to pick it from. A ceiling of another precision is refused:
-    a bf16 step over the TF32 ceiling reads twice its real MFU."""
+    """MFU (and HFU) of a step that does ``model_flops`` in ``seconds``: its TFLOP/s over the dense datasheet peak of
+    ``precision``, the precision its matmuls ran in (``precision_of``), and over the ceiling measured here.
+    ``ceiling`` is that precision's ``Ceiling``, or a mapping of precisions to ceilings (``ceilings()``) to pick it
+    from. A ceiling of another precision is refused: a bf16 step over the TF32 ceiling reads twice its real MFU. A
+    step faster than its measured ceiling has the ceiling measured again (once) before anything is said."""
     for name, value in (("model_flops", model_flops), ("seconds", seconds)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -399,5 +465,17 @@ def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Cei
     if precision is not None and precision != ceiling.precision:
         raise ValueError(f"a {precision} step divided by the {ceiling.precision} ceiling: MFU divides by the ceiling of "
                          f"the precision the step ran in (flops.ceiling({precision!r}))")
+    ran = float(hardware_flops or model_flops) / seconds / 1e12
+    if ran > ceiling.tflops and ceiling.key is not None:  # the ceiling was not this machine's best
+        ceiling = _measured_again(ceiling)
     return Utilisation(ceiling.precision, float(model_flops), float(seconds), ceiling.tflops,
                        float(hardware_flops) if hardware_flops else None, ceiling.datasheet_tflops)
+
+
+def _measured_again(known: Ceiling) -> Ceiling:
+    """The ceiling ``known`` measured once more with the same search (once per process: the better of the two)."""
+    if known.key not in _AGAIN:
+        _AGAIN.add(known.key)
+        precision, device, shapes, seconds = known.key
+        return ceiling(precision, device, shapes=shapes, seconds=seconds, again=True)
+    return _MEASURED.get(known.key, known)

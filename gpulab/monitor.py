@@ -104,9 +104,11 @@ class Monitor:
         if phase is not None:
             frame = frame[frame["phase"] == phase]
         reasons = [r.strip() for text in frame["throttle"].dropna() for r in str(text).split(",") if r.strip()]
-        loads = frame["load_avg"].dropna()
-        worst = Conditions(load_avg=float(loads.max()) if len(loads) else math.nan, cpu_cores=self._cores,
-                           gpu=True, throttle=tuple(dict.fromkeys(reasons)))
+        loads, clocks = frame["load_avg"].dropna(), frame["sm_clock_mhz"].dropna()
+        worst = Conditions(load_avg=float(loads.max()) if len(loads) else math.nan, cpu_cores=self._cores, gpu=True,
+                           sm_clock_low_mhz=float(clocks.min()) if len(clocks) else math.nan,
+                           sm_clock_high_mhz=float(clocks.max()) if len(clocks) else math.nan,
+                           throttle=tuple(dict.fromkeys(reasons)))
         return worst.caveats()
 
     def _open(self):

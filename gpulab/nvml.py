@@ -1,6 +1,7 @@
 """Access to NVML (the library behind nvidia-smi) through nvidia-ml-py, degrading to a reason."""
 
 import atexit
+import math
 import os
 import threading
 from contextlib import contextmanager
@@ -173,3 +174,44 @@ def throttle_time_ns(nv, handle) -> tuple[tuple[str, int], ...]:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------- GPM: what the SMs did, Hopper and newer
+
+def gpm_sample(nv, handle):
+    """A GPM sample of the GPU's counters now, to measure a span with ``gpm_sm_activity``; None where GPM is not
+    offered (GPUs before Hopper, an older driver or nvidia-ml-py, no permission)."""
+    try:
+        if not nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+            return None
+        sample = nv.nvmlGpmSampleAlloc()
+        try:
+            return nv.nvmlGpmSampleGet(handle, sample)
+        except nv.NVMLError:
+            nv.nvmlGpmSampleFree(sample)
+            raise
+    except (AttributeError, nv.NVMLError):
+        return None
+
+
+def gpm_sm_activity(nv, handle, start) -> float:
+    """The SM activity (%) between the GPM sample ``start`` and now: the share of the SMs' time that had work, over
+    every SM (DCGM's SM_ACTIVE), unlike NVML's utilisation, which counts time when any kernel ran, even on one SM.
+    NaN where GPM is not offered; ``start`` is freed."""
+    if start is None:
+        return math.nan
+    end = None
+    try:
+        end = nv.nvmlGpmSampleGet(handle, nv.nvmlGpmSampleAlloc())
+        request = nv.c_nvmlGpmMetricsGet_t()
+        request.version, request.numMetrics = nv.NVML_GPM_METRICS_GET_VERSION, 1
+        request.sample1, request.sample2 = start, end
+        request.metrics[0].metricId = nv.NVML_GPM_METRIC_SM_UTIL
+        metric = nv.nvmlGpmMetricsGet(request).metrics[0]
+        return float(metric.value) if metric.nvmlReturn == 0 else math.nan
+    except (AttributeError, nv.NVMLError):
+        return math.nan
+    finally:
+        for sample in (start, end):
+            if sample is not None:
+                query(nv, nv.nvmlGpmSampleFree, sample)

@@ -1,13 +1,12 @@
-"""Plumbing for the mixed-precision lesson: matmul FLOPs and TFLOP/s, the device's peak (measured, and
-the vendor's datasheet figure where known), which precisions a device runs natively, and checkpoints
-that keep the GradScaler's state with the model and the optimizer.
+"""Plumbing for the mixed-precision lesson: matmul FLOPs and TFLOP/s, the device's measured peak (the vendor's
+datasheet figures are in ``gpulab.datasheets``), which precisions a device runs natively, and checkpoints that keep
+the GradScaler's state with the model and the optimizer.
 
 The lesson itself writes ``torch.autocast``, ``torch.amp.GradScaler`` and the TF32 switch in its cells.
 """
 
 import functools
 import math
-import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,24 +21,6 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 # The dtype of the tensors for each precision: TF32 is a mode of fp32 matmuls, not a dtype.
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Vendor datasheet figures, NOT measurements: dense peaks in TFLOP/s at boost clock, without the
-# "with sparsity" doubling. fp32 is the CUDA-core rate; tf32/fp16/bf16 are tensor-core rates.
-DATASHEET_SOURCE = "NVIDIA datasheet (vendor figure, dense, no sparsity; not measured here)"
-DATASHEET_TFLOPS = {
-    "T4": {"fp32": 8.1, "fp16": 65.0},
-    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
-    "H100 SXM": {"fp32": 67.0, "tf32": 494.5, "fp16": 989.5, "bf16": 989.5},
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
-}
-# Datasheet entry for a device name: every listed word must be a word of torch's name. Most specific first.
-_DATASHEET_NAMES = (
-    ("H100 PCIe", ("H100", "PCIE")), ("H100 NVL", ("H100", "NVL")), ("H100 SXM", ("H100",)),
-    ("A100", ("A100",)), ("L4", ("L4",)), ("T4", ("T4",)),
-)
-
-
 def matmul_flops(m: int, n: int, k: int) -> int:
     """Floating-point operations of an (m×k) @ (k×n) matmul: one multiply and one add per term."""
     return 2 * m * n * k
@@ -53,18 +34,6 @@ def tflops(flops: float, seconds: float) -> float:
 def matmul_intensity(m: int, n: int, k: int, itemsize: int) -> float:
     """Arithmetic intensity of a matmul, FLOP per byte, if A and B are read and C written once."""
     return matmul_flops(m, n, k) / ((m * k + k * n + m * n) * itemsize)
-
-
-def datasheet_gpu(name: str) -> str | None:
-    """The DATASHEET_TFLOPS entry for a device name such as 'NVIDIA H100 80GB HBM3' (None if unknown)."""
-    words = set(re.split(r"[^A-Z0-9]+", name.upper()))
-    return next((entry for entry, needed in _DATASHEET_NAMES if words.issuperset(needed)), None)
-
-
-def datasheet_peak(name: str, precision: str) -> float | None:
-    """The vendor's datasheet peak in TFLOP/s for a device name and precision (None where not listed)."""
-    entry = datasheet_gpu(name)
-    return DATASHEET_TFLOPS[entry].get(precision) if entry else None
 
 
 MAX_PRODUCT_S = 0.25  # matmul_peak tries no larger size once one product would take longer than this

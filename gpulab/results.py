@@ -28,8 +28,9 @@ SCHEMA = 1
 REFERENCE_DIR = Path(__file__).parent / "reference"
 ENV_COLUMNS = ("schema", "recorded_at", "host", "device", "device_name", "driver", "torch", "cuda", "quick")
 # Written with every row since these columns came (older files gain them, empty, with their next row).
-CONDITION_COLUMNS = ("load_avg", "cpu_cores", "sm_clock_mhz", "sm_clock_max_mhz", "gpu_temp_c", "gpu_power_w",
-                     "gpu_power_limit_w", "throttle", "caveat")  # the GPU's only on rows measured on a GPU
+CONDITION_COLUMNS = ("load_avg", "cpu_cores", "sm_clock_mhz", "sm_clock_low_mhz", "sm_clock_high_mhz",
+                     "sm_clock_max_mhz", "gpu_temp_c", "gpu_power_w", "gpu_power_limit_w", "throttle",
+                     "caveat")  # the GPU's only on rows whose measurement watched the GPU
 
 _OURS = b"schema,"  # how every results file written by ResultLog starts
 
@@ -77,10 +78,12 @@ class ResultLog:
     def add(self, *, conditions: Conditions | None = None, **fields) -> dict:
         """Append one row (the fields, the environment and the machine's state) to the file at once; returns it.
 
-        ``conditions`` is the state while the row was measured (``conditions.during(before, after)``); by
-        default a snapshot taken now. A field of the same name as a condition column wins over it.
+        ``conditions`` is the state while the row was measured (a ``conditions.Watch`` over the measurement;
+        ``bench`` and ``compare`` keep theirs in their results, and ``Comparison.row()`` carries it). Without it
+        the row records the CPU's load now and no GPU state: the GPU's clocks when a row is written belong to
+        whatever ran last, not to the row. A field of the same name as a condition column wins over it.
         """
-        state = conditions if conditions is not None else snapshot(self.device)
+        state = conditions if conditions is not None else snapshot("cpu")
         row = {**environment(self.device), "recorded_at": _now(), **fields}
         row.update({k: v for k, v in state.row().items() if k not in fields})
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def bench(
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    before = conditions.snapshot(device)
+    watch = conditions.Watch(device).start()
     try:
         timer.timeit(warmup)
         if cache == "cold":
@@ -123,7 +123,7 @@ def bench(
             times = _warm_runs(timer, min_time)
     finally:
         torch.set_num_threads(previous)
-    state = conditions.during(before, conditions.snapshot(device))
+        state = watch.stop()
     return Measurement(label=label, times=tuple(times), device=device, threads=threads, cache=cache, conditions=state)
 
 

@@ -3,7 +3,10 @@
 precision."""
 
 import math
+import types
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,6 +150,11 @@ def test_no_tf32_before_ampere_and_on_a_cpu(monkeypatch):
     assert flops.precisions_here() == ["fp32", "tf32", "fp16", "bf16", "fp8"]
 
 
+def forget_ceilings():
+    flops._MEASURED.clear()
+    flops._AGAIN.clear()
+
+
 def test_datasheet_figures_are_dense_and_only_for_known_gpus():
     assert flops.datasheet("NVIDIA H100 80GB HBM3", "bf16") == 989.5  # dense; "with sparsity" would be 1979
     assert flops.datasheet("NVIDIA H100 80GB HBM3", "fp8") == pytest.approx(1978.9)
@@ -168,13 +176,13 @@ def test_the_ceiling_is_the_fastest_shapes_median_and_slow_shapes_are_skipped(mo
 
     monkeypatch.setattr(flops, "timed_calls", timed)
     monkeypatch.setattr(flops, "MAX_PRODUCT_S", 1e-6)  # at these rates, the 8192³ product is "too slow"
-    flops._measured_ceiling.cache_clear()
+    forget_ceilings()
     shapes = [(64, 64, 64), (96, 32, 64), (8192, 8192, 8192)]
     peak = flops.ceiling("fp32", "cpu", shapes=shapes, seconds=0.01)
     assert peak.shape == (96, 32, 64) and peak.tflops == pytest.approx(80.0)
     assert set(peak.by_shape) == {(64, 64, 64), (96, 32, 64)} and (8192, 8192, 8192) not in tried
     assert "fp32 ceiling 80" in str(peak) and peak.row()["m"] == 96
-    flops._measured_ceiling.cache_clear()
+    forget_ceilings()
 
 
 def test_on_a_cpu_the_ceiling_is_the_faster_of_mm_and_linear(monkeypatch):
@@ -185,13 +193,13 @@ def test_on_a_cpu_the_ceiling_is_the_faster_of_mm_and_linear(monkeypatch):
         return [2 * 64**3 / rate] * count
 
     monkeypatch.setattr(flops, "timed_calls", timed)
-    flops._measured_ceiling.cache_clear()
+    forget_ceilings()
     assert flops.ceiling("bf16", "cpu", shapes=[(64, 64, 64)], seconds=0.01).tflops == pytest.approx(3.0)
-    flops._measured_ceiling.cache_clear()
+    forget_ceilings()
 
 
 def test_a_real_ceiling_on_the_cpu_is_measured_once_per_process():
-    flops._measured_ceiling.cache_clear()
+    forget_ceilings()
     first = flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002)
     assert first.precision == "fp32" and first.tflops == max(first.by_shape.values()) > 0
     assert flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002) is first
@@ -212,38 +220,89 @@ def test_measuring_fp32_or_tf32_sets_the_switch_only_while_it_measures():
 
 # ----- MFU and HFU -----------------------------------------------------------------------------------------------------
 
-CEILINGS = {"fp32": flops.Ceiling("fp32", 50.0), "tf32": flops.Ceiling("tf32", 400.0),
+CEILINGS = {"fp32": flops.Ceiling("fp32", 50.0, datasheet_tflops=67.0), "tf32": flops.Ceiling("tf32", 400.0),
             "bf16": flops.Ceiling("bf16", 800.0, datasheet_tflops=989.5)}
 
 
-def test_a_bf16_step_is_divided_by_the_bf16_ceiling_not_tf32s():
+def test_mfu_divides_by_the_dense_datasheet_peak_and_of_achievable_by_the_measured_ceiling():
     u = flops.mfu(4e14, 1.0, CEILINGS, precision="bf16")  # 400 TFLOP/s of model FLOPs
-    assert u.ceiling_tflops == 800.0 and u.mfu == pytest.approx(0.5)
-    assert flops.mfu(4e14, 1.0, CEILINGS, precision="tf32").mfu == pytest.approx(1.0)  # what torchtitan #668 reported
-    assert u.of_datasheet == pytest.approx(400 / 989.5)
+    assert u.mfu == pytest.approx(400 / 989.5)  # the field's MFU: comparable with published ones
+    assert u.ceiling_tflops == 800.0 and u.of_achievable == pytest.approx(0.5)
+    assert "MFU 40.4% (400 TFLOP/s of model FLOPs over the dense bf16 peak of 989.5)" in str(u)
+    assert "50.0% of achievable (the bf16 ceiling measured here, 800)" in str(u)
+    row = u.row()
+    assert row["mfu"] == pytest.approx(400 / 989.5) and row["of_achievable"] == pytest.approx(0.5)
 
 
-def test_another_precisions_ceiling_is_refused():
-    with pytest.raises(ValueError, match="a bf16 step divided by the tf32 ceiling"):
-        flops.mfu(4e14, 1.0, CEILINGS["tf32"], precision="bf16")
-    with pytest.raises(ValueError, match="no measured fp16 ceiling"):
-        flops.mfu(4e14, 1.0, CEILINGS, precision="fp16")
-    with pytest.raises(ValueError, match="pass precision"):
-        flops.mfu(4e14, 1.0, CEILINGS)
-    with pytest.raises(TypeError, match="flops.Ceiling"):
-        flops.mfu(4e14, 1.0, 989.5, precision="bf16")
-    for bad in (0, -1.0, math.nan, True):
-        with pytest.raises(ValueError, match="positive number"):
-            flops.mfu(bad, 1.0, CEILINGS["bf16"])
+def test_a_bf16_step_is_divided_by_the_bf16_ceiling_not_tf32s():
+    assert flops.mfu(4e14, 1.0, CEILINGS, precision="bf16").of_achievable == pytest.approx(0.5)
+    assert flops.mfu(4e14, 1.0, CEILINGS, precision="tf32").of_achievable == pytest.approx(1.0)  # torchtitan #668
 
 
-def test_hfu_counts_recomputed_flops_and_impossible_numbers_are_flagged():
+def test_without_a_datasheet_figure_the_mfu_is_unknown_and_said_so():
+    u = flops.mfu(2e14, 1.0, CEILINGS, precision="tf32")
+    assert math.isnan(u.mfu) and math.isnan(u.row()["mfu"]) and u.of_achievable == pytest.approx(0.5)
+    assert str(u).startswith("MFU unknown (no vendor's tf32 peak for this device")
+
+
+def test_the_h200s_first_run_of_lesson_09_as_the_field_reads_it():
+    """The H200 printed "MFU 65.2 %" for its first GPT run: 33.9 TFLOP/s in fp32 over a measured fp32 ceiling of 51.9
+    (taken at a power-capped clock). Over the card's dense fp32 peak (67 TFLOP/s, the H100 SXM's: the H200 has the
+    same GH100 chip) it is 50.5 %, and the ceiling's share is shown as 'of achievable'."""
+    first = pd.read_csv(Path(__file__).parent / "data" / "h200" / "09_first_run.csv").iloc[0]
+    ceiling = flops.Ceiling("fp32", first.ceiling_tflops, device_name=first.device_name,
+                            datasheet_tflops=flops.datasheet(first.device_name, "fp32"))
+    u = flops.mfu(first.flops_per_token * first.tokens_per_s, 1.0, ceiling, precision="fp32")
+    assert ceiling.datasheet_tflops == 67.0
+    assert u.mfu == pytest.approx(33.855 / 67, rel=1e-3) and u.of_achievable == pytest.approx(first.mfu, rel=1e-3)
+
+
+def test_hfu_counts_recomputed_flops_and_impossible_numbers_are_never_shown():
     u = flops.mfu(3e14, 1.0, CEILINGS["bf16"], hardware_flops=4e14)
-    assert u.mfu == pytest.approx(3 / 8) and u.hfu == pytest.approx(0.5)
-    assert "HFU 50.0%" in str(u) and not u.warning and u.row()["hfu"] == pytest.approx(0.5)
-    assert flops.mfu(3e14, 1.0, CEILINGS["bf16"]).row()["hfu"] is None
-    too_much = flops.mfu(1.04 * 8e14, 1.0, CEILINGS["bf16"])  # nanoGPT PR #464: 104 %
-    assert too_much.mfu > 1 and "above 100 %" in too_much.warning and "above 100 %" in str(too_much)
+    assert u.of_achievable == pytest.approx(3 / 8) and u.hfu == pytest.approx(400 / 989.5)
+    assert "HFU 40.4%" in str(u) and not u.warning and u.row()["hfu"] == pytest.approx(400 / 989.5)
+    assert math.isnan(flops.mfu(3e14, 1.0, CEILINGS["bf16"]).row()["hfu"])
+    too_much = flops.mfu(1.04 * 989.5e12, 1.0, CEILINGS["bf16"])  # nanoGPT PR #464: 104 %, another card's peak
+    assert too_much.impossible and "above the card's dense bf16 peak" in too_much.warning
+    assert str(too_much).startswith("MFU not shown") and "%" not in str(too_much).split(":")[0]
+    assert math.isnan(too_much.row()["mfu"]) and math.isnan(too_much.row()["of_achievable"])
+
+
+def test_a_step_faster_than_its_ceiling_has_the_ceiling_measured_again(monkeypatch):
+    """Lesson 03 on a busy CPU measured an fp32 ceiling of 0.0021 TFLOP/s and printed MFU 265 %: a step that beats
+    the ceiling shows the ceiling was not the machine's best. It is measured again, once, and the better one kept."""
+    machine = {"flop_per_s": 2.1e9, "searches": 0}  # first measured while busy
+
+    def timed(product, count, device):
+        m, k = product.args[0].shape
+        if count == 1 and product.func is torch.mm:
+            machine["searches"] += 1
+        return [2 * m * k * product.args[1].shape[1] / machine["flop_per_s"]] * count
+
+    monkeypatch.setattr(flops, "timed_calls", timed)
+    forget_ceilings()
+    busy = flops.ceiling("fp32", "cpu", shapes=[(64, 64, 64)], seconds=0.01)
+    machine["flop_per_s"] = 40e9  # quiet now
+    assert busy.tflops == pytest.approx(0.0021)
+    u = flops.mfu(5.6e9, 1.0, busy, precision="fp32")  # 0.0056 TFLOP/s: 265 % of the busy ceiling
+    assert u.ceiling_tflops == pytest.approx(0.04) and u.of_achievable == pytest.approx(0.14)
+    assert flops.ceiling("fp32", "cpu", shapes=[(64, 64, 64)], seconds=0.01).tflops == pytest.approx(0.04)
+    still = flops.mfu(9e10, 1.0, busy, precision="fp32")  # beats even the second: measured no third time
+    assert machine["searches"] == 2 and still.impossible and "was not this machine's best" in still.warning
+    assert "not shown" in str(still)
+    forget_ceilings()
+
+
+def test_a_waterfall_across_precisions_measures_every_step_against_one_peak(monkeypatch):
+    """An fp32 step at 30 TFLOP/s and a bf16 step at 3× its speed: each over its own peak, bf16 reads lower
+    (90/989.5 = 9 % < 30/67 = 45 %); over one reference peak, the fastest precision's, the curve rises."""
+    monkeypatch.setattr(flops, "device_info", lambda device: types.SimpleNamespace(name="NVIDIA H200"))
+    monkeypatch.setattr(flops, "get_device", lambda device: device)
+    precision, peak = flops.reference_peak(["fp32", "bf16"], torch.device("cuda"))
+    assert (precision, peak) == ("bf16", 989.5)
+    fp32 = flops.mfu(30e12, 1.0, flops.Ceiling("fp32", 50.0, datasheet_tflops=67.0))
+    bf16 = flops.mfu(90e12, 1.0, flops.Ceiling("bf16", 700.0, datasheet_tflops=989.5))
+    assert bf16.mfu < fp32.mfu and bf16.against(peak) == pytest.approx(3 * fp32.against(peak))
 
 
 def test_a_ceiling_must_be_a_positive_rate_of_a_known_precision():
@@ -255,10 +314,11 @@ def test_a_ceiling_must_be_a_positive_rate_of_a_known_precision():
 
 @pytest.mark.gpu
 def test_gpu_ceilings_are_measured_for_every_native_precision():
-    flops._measured_ceiling.cache_clear()
+    """Each at a clock recorded with it, below the card's dense peak."""
+    forget_ceilings()
     found = flops.ceilings(device="cuda")
     assert set(found) == set(flops.precisions_here("cuda"))
     for p, c in found.items():
-        assert c.tflops > 0 and c.shape in c.by_shape
+        assert c.tflops > 0 and c.shape in c.by_shape and c.conditions.sm_clock_low_mhz > 0
         if c.datasheet_tflops:  # a measured ceiling above the dense datasheet figure would mean a wrong count or clock
             assert c.tflops < 1.05 * c.datasheet_tflops, p

@@ -32,24 +32,6 @@ def test_flops_throughput_and_intensity():
     assert precision.matmul_intensity(64, 64, 64, 2) == pytest.approx(2 * precision.matmul_intensity(64, 64, 64, 4))
 
 
-@pytest.mark.parametrize("name, entry", [
-    ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", None), ("NVIDIA A100-SXM4-80GB", "A100"),
-    ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
-    ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA GeForce RTX 4090", None), ("AMD EPYC", None),
-])
-def test_datasheet_entry_from_device_name(name, entry):
-    assert precision.datasheet_gpu(name) == entry
-
-
-def test_datasheet_peaks_only_where_listed():
-    assert precision.datasheet_peak("Tesla T4", "fp16") == 65.0
-    assert precision.datasheet_peak("Tesla T4", "bf16") is None  # no native bf16 on a T4
-    assert precision.datasheet_peak("NVIDIA H100 PCIe", "bf16") < precision.datasheet_peak("NVIDIA H100 80GB HBM3",
-                                                                                           "bf16")
-    assert precision.datasheet_peak("a CPU", "fp32") is None
-    assert "not measured" in precision.DATASHEET_SOURCE
-
-
 def test_precision_support_follows_compute_capability():
     cpu = precision.precision_support(None)
     assert [p for p, s in cpu.items() if s.available] == ["fp32", "bf16"]

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from gpulab import nvml
-from gpulab.conditions import Conditions, during, snapshot
+from gpulab.conditions import Conditions, Watch, snapshot
 from gpulab.monitor import COLUMNS, Monitor
 
 IDLE, APP_CLOCKS, SW_POWER_CAP, HW_SLOWDOWN, HW_THERMAL = 0x1, 0x2, 0x4, 0x8, 0x40
@@ -135,9 +135,9 @@ def test_a_gpu_running_free_has_no_caveat(use_nvml):
     assert state.gpu and state.throttle == () and state.caveats() == []
     assert (state.sm_clock_mhz, state.sm_clock_max_mhz, state.gpu_temp_c) == (1980, 1980, 71)
     assert (state.gpu_power_w, state.gpu_power_limit_w) == (650, 700)
-    assert state.row() == {"load_avg": 0.5, "cpu_cores": 4, "sm_clock_mhz": 1980, "sm_clock_max_mhz": 1980,
-                           "gpu_temp_c": 71, "gpu_power_w": 650, "gpu_power_limit_w": 700, "throttle": "",
-                           "caveat": ""}
+    assert state.row() == {"load_avg": 0.5, "cpu_cores": 4, "sm_clock_mhz": 1980, "sm_clock_low_mhz": 1980,
+                           "sm_clock_high_mhz": 1980, "sm_clock_max_mhz": 1980, "gpu_temp_c": 71, "gpu_power_w": 650,
+                           "gpu_power_limit_w": 700, "throttle": "", "caveat": ""}
 
 
 def test_a_throttled_gpu_says_why(use_nvml, monkeypatch):
@@ -145,8 +145,11 @@ def test_a_throttled_gpu_says_why(use_nvml, monkeypatch):
     machine(monkeypatch, 5.0, 2)
     state = snapshot(0)
     assert state.throttle == ("SW power cap", "HW slowdown", "HW thermal slowdown")
-    assert state.caveats() == ["the CPU was oversubscribed (load average 5.0 on 2 cores)",
-                               "the GPU was throttled (SW power cap, HW slowdown, HW thermal slowdown)"]
+    assert state.caveats() == [
+        "the CPU was oversubscribed (load average 5.0 on 2 cores)",
+        "the GPU ran at its power limit (SW power cap; SM clock 1980 MHz of 1980), as long, dense work does",
+        "the GPU slowed down for heat or a hardware limit (HW slowdown, HW thermal slowdown)"]
+    assert state.advice() == "rerun on a quiet machine before trusting it"
     assert state.row()["throttle"] == "SW power cap, HW slowdown, HW thermal slowdown"
     assert state.row()["caveat"] == "; ".join(state.caveats())
 
@@ -218,35 +221,70 @@ def test_nvml_is_started_once_and_shut_down_once(use_nvml):
 # ---------------------------------------------------------------- over a span
 
 
-def test_during_keeps_the_worse_of_two_snapshots():
-    before = Conditions(load_avg=1.0, cpu_cores=2, gpu=True, sm_clock_mhz=345, gpu_temp_c=math.nan,
-                        gpu_power_w=80, throttle=("HW slowdown",))
-    after = Conditions(load_avg=2.5, cpu_cores=2, gpu=True, sm_clock_mhz=1980, gpu_temp_c=70, gpu_power_w=60,
-                       throttle=("SW power cap", "HW slowdown"))
-    state = during(before, after)
-    assert (state.load_avg, state.gpu_temp_c, state.gpu_power_w) == (2.5, 70, 80)
-    assert state.sm_clock_mhz == 1980  # read at the end: before the work the GPU may have idled at a low clock
-    assert state.throttle == ("HW slowdown", "SW power cap")
-    assert state.caveats() == ["the CPU was oversubscribed (load average 2.5 on 2 cores)",
-                               "the GPU was throttled (HW slowdown, SW power cap)"]
+def watched(nv, during, samples: int = 3) -> Conditions:
+    """A Watch (sampling every millisecond) over a span in which ``during(nv)`` changes the fake GPU; the span lasts
+    until the watch has taken ``samples`` readings (polled: no fixed sleep for a busy machine to cross)."""
+    watch = Watch("cuda:0", interval=0.001).start()
+    during(nv)
+    deadline = time.monotonic() + 60
+    while len(watch._readings) < samples and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return watch.stop()
 
 
-def test_during_shows_throttling_that_neither_moment_caught(use_nvml):
+def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(use_nvml):
+    """Lesson 09's first run carried "SW power cap" from the ceiling search before it: at the span's start the GPU
+    was still at its limit. The reading at the start belongs to what ran before, and is left out."""
+    nv = use_nvml(fake_nvml(reasons=SW_POWER_CAP))
+
+    def quiet(nv):
+        nv.state.reasons = IDLE
+
+    state = watched(nv, quiet)
+    assert state.throttle == () and state.caveats() == [] and state.advice() == ""
+
+
+def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(use_nvml):
     nv = use_nvml(fake_nvml(reasons=IDLE))
-    before = snapshot("cuda:0")
-    nv.state.violation_ns = {0: 9_000_000, 1: 0}  # clocks held down by the power limit in between
-    after = snapshot("cuda:0")
-    assert before.caveats() == after.caveats() == []
-    assert during(before, after).caveats() == ["the GPU was throttled (SW power cap)"]
-    assert during(after, snapshot("cuda:0")).caveats() == []  # counters that did not move say nothing
+
+    def capped(nv):
+        nv.state.reasons, nv.state.clock = SW_POWER_CAP, 1515
+
+    state = watched(nv, capped)
+    assert state.throttle == ("SW power cap",) and (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1515, 1515)
+    assert state.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1515 MHz of 1980), "
+                               "as long, dense work does"]
+    assert state.advice() == ""  # a matmul at the power limit is normal: no "rerun on a quiet machine"
+
+    def varying(nv):
+        nv.state.clock = 1755
+
+    nv.state.reasons, nv.state.clock = IDLE, 1980
+    state = watched(nv, varying)
+    assert (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1755, 1755) and state.sm_clock_mhz == 1755
 
 
-def test_during_of_cpu_snapshots_stays_without_gpu_columns(monkeypatch):
-    before = snapshot("cpu")
-    machine(monkeypatch, 6.0, 4)
-    state = during(before, snapshot("cpu"))
-    assert not state.gpu and list(state.row()) == ["load_avg", "cpu_cores", "caveat"]
-    assert state.row()["caveat"] == "the CPU was oversubscribed (load average 6.0 on 4 cores)"
+def test_a_span_shows_throttling_that_no_reading_caught(use_nvml):
+    nv = use_nvml(fake_nvml(reasons=IDLE))
+
+    def briefly_capped(nv):
+        nv.state.violation_ns = {0: 9_000_000, 1: 0}  # clocks held down by the power limit between readings
+
+    assert watched(nv, briefly_capped).throttle == ("SW power cap",)
+    assert watched(nv, lambda nv: None).throttle == ()  # counters that did not move say nothing
+
+
+def test_a_span_on_the_cpu_starts_no_thread_and_has_no_gpu_columns(monkeypatch):
+    with Watch("cpu") as watch:
+        machine(monkeypatch, 6.0, 4)
+    assert watch._thread is None and not watch.conditions.gpu
+    assert list(watch.conditions.row()) == ["load_avg", "cpu_cores", "caveat"]
+    assert watch.conditions.row()["caveat"] == "the CPU was oversubscribed (load average 6.0 on 4 cores)"
+
+
+def test_a_hot_gpu_is_told_to_cool_down_not_to_find_a_quieter_machine():
+    hot = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, throttle=("HW thermal slowdown",))
+    assert hot.advice() == "check the GPU's cooling before trusting it" and not hot.busy
 
 
 # ---------------------------------------------------------------- the monitor
@@ -261,7 +299,8 @@ def test_monitor_samples_the_clock_throttling_and_load(use_nvml):
     assert list(frame.columns) == list(COLUMNS) and len(frame) >= 1
     assert (frame["sm_clock_mhz"] == 1980).all() and (frame["throttle"] == "SW power cap").all()
     assert (frame["load_avg"] == 0.5).all()
-    assert monitor.caveats() == ["the GPU was throttled (SW power cap)"]
+    assert monitor.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1980 MHz), as long, dense "
+                                 "work does"]
 
 
 def test_monitor_caveats_by_phase(monkeypatch):
@@ -276,9 +315,11 @@ def test_monitor_caveats_by_phase(monkeypatch):
         (0.4, "busy cpu", 20.0, 5.0, 3.0, 100.0, 60.0, 1980.0, "", 3.4),
     ]
     assert monitor.caveats("cool") == [] and monitor.caveats("never") == []
-    assert monitor.caveats("hot") == ["the GPU was throttled (SW power cap, SW thermal slowdown)"]
+    assert monitor.caveats("hot") == ["the GPU ran at its power limit (SW power cap; SM clock 1400–1500 MHz), as "
+                                      "long, dense work does",
+                                      "the GPU slowed down for heat or a hardware limit (SW thermal slowdown)"]
     assert monitor.caveats("busy cpu") == ["the CPU was oversubscribed (load average 3.4 on 2 cores)"]
-    assert len(monitor.caveats()) == 2
+    assert len(monitor.caveats()) == 3
 
 
 def test_monitor_without_nvml_keeps_its_columns_and_has_no_caveats(use_nvml, capsys):

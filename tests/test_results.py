@@ -4,7 +4,7 @@ import types
 import pandas as pd
 import pytest
 
-from gpulab import ResultLog, bench, reference
+from gpulab import Comparison, ResultLog, bench, reference
 from gpulab.conditions import Conditions
 from gpulab.results import CONDITION_COLUMNS, ResultsFileError, add_reference, caveat_note, caveats, reference_provenance
 
@@ -223,7 +223,10 @@ def test_a_row_measured_on_an_oversubscribed_cpu_says_so_once(results_dir, monke
     assert err.count("note:") == 1 and expected in err and "busy.csv" in err
 
 
-def test_a_row_on_a_throttled_gpu_records_the_gpu_readings(results_dir, monkeypatch, tmp_path):
+def test_a_row_records_the_gpu_state_of_its_measurement_not_of_the_moment_it_is_written(results_dir, monkeypatch,
+                                                                                        tmp_path):
+    """All 18 rows of lesson 08's path on the H200 carried one snapshot, taken as each row was written: a row without
+    the state of its measurement records the CPU's load and no GPU state at all."""
     from gpulab import nvml
 
     _gpu_environment(monkeypatch, tmp_path)
@@ -231,22 +234,38 @@ def test_a_row_on_a_throttled_gpu_records_the_gpu_readings(results_dir, monkeypa
     nvml.close_shared()
     try:
         row = ResultLog("gpu", device="cuda:0").add(size=1)
+        measured = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, sm_clock_mhz=1700, sm_clock_low_mhz=1515,
+                              sm_clock_high_mhz=1980, sm_clock_max_mhz=1980, throttle=("SW power cap",))
+        watched = ResultLog("gpu", device="cuda:0").add(conditions=measured, size=2)
     finally:
         nvml.close_shared()
-    assert set(CONDITION_COLUMNS) <= set(row) and row["throttle"] == "SW power cap, HW thermal slowdown"
-    assert row["caveat"] == "the GPU was throttled (SW power cap, HW thermal slowdown)"
-    assert (row["sm_clock_mhz"], row["gpu_temp_c"], row["gpu_power_w"], row["gpu_power_limit_w"]) == (1980, 71, 650, 700)
+    assert "throttle" not in row and "sm_clock_mhz" not in row and row["caveat"] == ""
+    assert set(CONDITION_COLUMNS) <= set(watched) and watched["throttle"] == "SW power cap"
+    assert (watched["sm_clock_low_mhz"], watched["sm_clock_high_mhz"]) == (1515, 1980)
+    assert watched["caveat"] == ("the GPU ran at its power limit (SW power cap; SM clock 1515–1980 MHz of 1980), as "
+                                 "long, dense work does")
     frame = ResultLog("gpu").frame()
-    assert frame.loc[0, "throttle"] == "SW power cap, HW thermal slowdown" and frame.loc[0, "sm_clock_max_mhz"] == 1980
+    assert frame["throttle"].fillna("").tolist() == ["", "SW power cap"]
+
+
+def test_a_comparison_row_carries_the_state_over_its_pairs(results_dir):
+    measured = Conditions(load_avg=3.0, cpu_cores=2, gpu=True, sm_clock_low_mhz=1400, sm_clock_high_mhz=1900,
+                          throttle=("SW power cap",))
+    c = Comparison.of([2.0] * 6, [1.0] * 6, conditions=measured, caveats=("a note of the caller's",))
+    row = ResultLog("compared").add(**c.row())
+    assert row["sm_clock_low_mhz"] == 1400 and row["throttle"] == "SW power cap" and row["speedup"] == 2.0
+    assert row["caveat"].split("; ")[0] == "a note of the caller's" and "oversubscribed" in row["caveat"]
+    assert c.advice == "rerun on a quiet machine before trusting it"
 
 
 def test_a_measurement_carrying_its_conditions_is_recorded_with_them(results_dir):
-    measured = Conditions(load_avg=7.0, cpu_cores=2, gpu=True, sm_clock_mhz=1400, throttle=("SW power cap",))
+    measured = Conditions(load_avg=7.0, cpu_cores=2, gpu=True, sm_clock_mhz=1400, sm_clock_low_mhz=1400,
+                          sm_clock_high_mhz=1400, throttle=("SW power cap",))
     m = types.SimpleNamespace(label="x", median=0.1, iqr=0.01, runs=5, threads=1, cache="warm", conditions=measured)
     row = ResultLog("carried").add_measurement(m, n=3)
     assert row["n"] == 3 and row["load_avg"] == 7.0 and row["sm_clock_mhz"] == 1400
     assert row["caveat"] == ("the CPU was oversubscribed (load average 7.0 on 2 cores); "
-                             "the GPU was throttled (SW power cap)")
+                             "the GPU ran at its power limit (SW power cap; SM clock 1400 MHz), as long, dense work does")
     plain = ResultLog("plain").add_measurement(bench(lambda: None, repeats=2), n=3)  # no conditions: the state now
     assert plain["load_avg"] == 0.5 and plain["caveat"] == ""
 
