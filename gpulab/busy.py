@@ -43,6 +43,16 @@ class Busy:
     sm_activity: float = nan  # NVML's GPM SM activity over the same second (Hopper and newer)
     note: str = ""  # why something was not measured
 
+    @classmethod
+    def from_trace(cls, label: str, trace, **nvml_readings) -> "Busy":
+        """The busy share of the profiled steps of ``trace`` (a path or a loaded Chrome trace with ProfilerStep
+        ranges and GPU kernels): kernel time over the steps' window, the steps' windows added up."""
+        per_step = traces.gpu_busy(trace)
+        window = per_step["step_ms"].sum()
+        return cls(label, len(per_step), float(statistics.median(per_step["step_ms"])),
+                   float(per_step["kernel_ms"].sum() / window), float(per_step["busy_ms"].sum() / window),
+                   **nvml_readings)
+
     def row(self) -> dict:
         return {"busy_label": self.label, "busy_steps": self.steps, "busy_step_ms": self.step_ms,
                 "kernel_busy": self.kernel_share, "gpu_busy_any": self.busy_share, "nvml_util": self.nvml_util,
@@ -84,11 +94,9 @@ def measure(step, *, label: str = "", steps: int | None = None, warmup: int = 3,
         path = Path(keep_trace) if keep_trace else Path(folder) / "busy.json.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
-        per_step = traces.gpu_busy(path)
-    window = per_step["step_ms"].sum()
+        trace = traces.load_trace(path)
     util, activity = _nvml_readings(step, device, nvml_seconds)
-    return Busy(label, len(per_step), float(statistics.median(per_step["step_ms"])),
-                float(per_step["kernel_ms"].sum() / window), float(per_step["busy_ms"].sum() / window), util, activity)
+    return Busy.from_trace(label, trace, nvml_util=util, sm_activity=activity)
 
 
 def _nvml_readings(step, device: torch.device, seconds: float) -> tuple[float, float]:
