@@ -12,12 +12,15 @@ WHEELHOUSE_SET      ?= course
 WHEELHOUSE_PYTHON   ?= 3.12
 WHEELHOUSE_PLATFORM ?= manylinux_2_28_x86_64
 # make verify-gpu runs with .venv's Python, made as every target makes it; on a VM with its own torch, install the
-# course there first (make install-offline) and name that Python: make verify-gpu VERIFY_PYTHON=python3
+# course there first (make install-offline) and name that Python: make verify-gpu VERIFY_PYTHON=python3.
+# BUDGET_MIN=9: what fits in 9 minutes (default: the whole course); VERIFY_OUT: the one folder it writes
 VERIFY_PYTHON       ?= $(BIN)/python
 VERIFY_INSTALL       = $(if $(filter $(BIN)/python,$(VERIFY_PYTHON)),$(STAMP))
+VERIFY_OUT          ?= build/verify-gpu
+VERIFY_ARGS          = $(PARTS) $(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN))
 
 .PHONY: course test test-browser test-wheelhouse lab exercises grade notebooks doctor bench clean \
-	wheelhouse install-offline verify-gpu verify-gpu-plan
+	wheelhouse install-offline verify-gpu verify-gpu-smoke verify-gpu-plan
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,11 +50,14 @@ wheelhouse: $(STAMP)  ## every wheel the course needs but torch, for WHEELHOUSE_
 install-offline:  ## on a machine without internet: the course into PYTHON (which has torch) from WHEELHOUSE
 	$(PYTHON) -m pip install --no-index --find-links $(WHEELHOUSE) -e ".[$(WHEELHOUSE_SET)]"
 
-verify-gpu: $(VERIFY_INSTALL)  ## on a GPU: GPU-marked tests, each lesson in full mode, bench; PARTS="tests 05" picks; BUNDLE=x.tar.gz
-	$(VERIFY_PYTHON) -m gpulab.record verify $(PARTS) $(if $(BUNDLE),--bundle $(BUNDLE))
+verify-gpu: $(VERIFY_INSTALL)  ## on a GPU: the smoke run, then full-mode parts in order of need while BUDGET_MIN lasts; PARTS="smoke 05" picks
+	$(VERIFY_PYTHON) -m gpulab.record verify $(VERIFY_ARGS) --out $(VERIFY_OUT)
 
-verify-gpu-plan: $(VERIFY_INSTALL)  ## what verify-gpu would run, with the minutes expected on an H100 (runs nothing)
-	$(VERIFY_PYTHON) -m gpulab.record verify --dry-run $(PARTS)
+verify-gpu-smoke: $(VERIFY_INSTALL)  ## on a GPU: every lesson in quick mode, several at once (a few minutes; ships nothing)
+	$(VERIFY_PYTHON) -m gpulab.record smoke --out $(VERIFY_OUT)-smoke
+
+verify-gpu-plan: $(VERIFY_INSTALL)  ## what one verify-gpu command would run (on an H100 where there is no GPU), from measured minutes where there are any
+	$(VERIFY_PYTHON) -m gpulab.record verify --dry-run $(VERIFY_ARGS) $(if $(GPU),--gpu "$(GPU)")
 
 lab: $(STAMP)  ## open JupyterLab on the lessons
 	$(BIN)/jupyter lab notebooks/

@@ -1,0 +1,182 @@
+"""The planning numbers of `make verify-gpu`: the minutes each part is expected to take (measured where a run
+measured them, with the GPU and date; else marked as estimates), and the rules that decide what one command runs:
+the parts in order of need, each started only where its expected minutes fit what is left of the budget.
+
+Pure functions of the shipped results and the numbers below: `make verify-gpu-plan` shows them on a CPU.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+H100 = "NVIDIA H100 80GB HBM3"  # the GPU a plan is for where there is none to ask (the course's first GPU rows)
+VERIFY_NAME = "verify_gpu"  # the shipped results that hold the minutes each part took, per GPU
+# Kept at the end of a budget: a part that overran is stopped, and left behind if its processes do not end
+# (verify_jobs.GRACE_S + END_S), before the last bundle is written and the monitor stopped (verify.FINAL_S).
+RESERVE_S = 45.0
+PART_CAP_S = 8 * 60.0  # no part runs longer: a lent GPU machine runs one command for at most 10 minutes
+SMOKE_LESSON_LIMIT_S = 180.0  # a lesson in quick mode, however contended (the slowest took 119 s, nine at once)
+SMOKE_LIMIT_S = 300.0  # the whole smoke run: no lesson starts after it
+
+
+@dataclass(frozen=True)
+class Minutes:
+    """The minutes a part is expected to take on one GPU, and where that number comes from."""
+    minutes: float
+    measured: bool
+    basis: str  # the run that measured it; or what an estimate rests on
+    gpu: str = ""
+    date: str = ""
+
+    def source(self) -> str:
+        if self.measured:
+            return f"measured on {self.gpu}, {self.date}: {self.basis}"
+        return f"estimate: {self.basis}"
+
+
+def measured(seconds: float, gpu: str, date: str, basis: str) -> Minutes:
+    return Minutes(round(seconds / 60, 1), True, basis, gpu, date)
+
+
+def estimate(minutes: float, basis: str) -> Minutes:
+    return Minutes(minutes, False, basis)
+
+
+H200_RUN = "2026-11-27"  # the course at main 7832b00 on one NVIDIA H200 (the run's log.txt)
+
+# Minutes per part on one H100 (80 GB, 16 CPU cores). A measurement of this GPU class in the shipped verify_gpu
+# results comes before these; measurements here are from other runs, with their GPU, date and course version.
+PLANNED = {
+    "smoke": measured(156, "NVIDIA H200", H200_RUN, "nine lessons in quick mode at once 119 s, then 05 alone 37 s "
+                      "(main 7832b00)"),
+    "tests": estimate(2.0, "the ~18 GPU-marked tests in one pytest process, quick sizes"),
+    "00": estimate(1.0, "its H100 rows (2026-11-22) span 7 s; plus kernel start and plots"),
+    "01": estimate(3.0, "its H100 rows span 68 s; plus the CUDA C kernel's build (about a minute)"),
+    "02": estimate(2.5, "its H100 rows span 52 s; plus ResNet-50 fed by 4 loader set-ups"),
+    "03": estimate(2.5, "its H100 rows span 9 s; plus the whole-card batch search and 5 convergence runs of 6 s"),
+    "04": estimate(2.0, "its H100 rows span 33 s; plus 300 scaler steps"),
+    "05": estimate(2.5, "from its full-mode sizes (4096-wide MLP steps, checkpointing 1..16 segments, an OOM)"),
+    "06": estimate(3.5, "from its full-mode sizes (20-step profiles, six fixes compared, torch.compile, HTA)"),
+    "07": estimate(3.0, "from its full-mode sizes (torchrun launches of gloo and NCCL ranks)"),
+    "08": measured(246.1, "NVIDIA H200", H200_RUN, "python -m gpulab.record verify 08, alone on the GPU (main 7832b00)"),
+    "09": estimate(7.0, f"from its full-mode sizes; not done after 60 s on an NVIDIA H200 ({H200_RUN}, main 7832b00)"),
+    "bench": estimate(0.5, "gpulab bench"),
+}
+# What each lesson's full mode is sized to: the whole course in about 15 minutes on one H100.
+TARGET_MIN = {**{f"{n:02d}": 2.0 for n in range(10)}, "08": 3.0, "09": 3.0}
+# Seconds each lesson took in quick mode, nine at once on one NVIDIA H200 (2026-11-27): contended, so only the order
+# the smoke run starts them in (longest first, so the last to start is a short one).
+SMOKE_SECONDS = {"00": 15.1, "01": 111.4, "02": 34.0, "03": 28.6, "04": 25.1, "05": 30.1, "06": 104.8, "07": 110.3,
+                 "08": 92.7, "09": 93.9}
+# Lessons that take the whole card in quick mode: the smoke run runs them alone, after the others. 05's OOM demo
+# asks for twice the card's memory. 03 searches the whole card only in full mode (64 MiB budget in quick mode).
+WHOLE_CARD_QUICK = ("05",)
+
+
+def expected(key: str, name: str, gpu: str, shipped: pd.DataFrame) -> Minutes:
+    """The minutes part ``key`` (``name``: its full name, as verify_gpu rows hold it) is expected to take on
+    ``gpu``: the latest passed run of it on that GPU class in ``shipped`` (verify_gpu rows), else ``PLANNED``,
+    raised to 1.5 times the time it ran before it was stopped there, if it was."""
+    table = PLANNED.get(key, estimate(PART_CAP_S / 60, "no planning number: the part's limit"))
+    rows = _rows_of(shipped, name, gpu)
+    done = rows[rows["status"] == "passed"] if not rows.empty else rows
+    if not done.empty:
+        last = done.iloc[-1]
+        return measured(float(last["seconds"]), gpu, str(last.get("recorded_at", ""))[:10], "make verify-gpu")
+    stopped = rows[rows["status"] == "timed out"] if not rows.empty else rows
+    if not stopped.empty:
+        seconds = float(stopped["seconds"].max())
+        if 1.5 * seconds / 60 > table.minutes:
+            return estimate(round(1.5 * seconds / 60, 1), f"stopped at its {seconds / 60:.1f}-minute limit on {gpu}")
+    return table
+
+
+def stop_limit_s(minutes: float, cap_s: float = PART_CAP_S) -> float:
+    """When a part is stopped: at twice its expected minutes (at least one minute more), at most ``cap_s``; so
+    that a part far over its plan does not take the others' time."""
+    return min(cap_s, 60 * max(2 * minutes, minutes + 1))
+
+
+def fits(minutes: float, left_s: float) -> bool:
+    """Whether a part expected to take ``minutes`` may start with ``left_s`` seconds of the budget left."""
+    return minutes * 60 <= left_s - RESERVE_S
+
+
+def reference_gpus(reference_dir: Path) -> dict[str, set[str]]:
+    """The GPU classes (``device_name``) each part has shipped reference rows for: lessons by number, "bench"."""
+    found: dict[str, set[str]] = {}
+    for csv in sorted(Path(reference_dir).glob("*.csv")):
+        if csv.stem == VERIFY_NAME:
+            continue
+        key = csv.stem[:2] if csv.stem[:2].isdigit() else csv.stem
+        try:
+            names = pd.read_csv(csv, usecols=["device_name"])["device_name"].dropna().astype(str)
+        except (ValueError, OSError, pd.errors.ParserError, pd.errors.EmptyDataError):
+            continue
+        found.setdefault(key, set()).update(names)
+    return found
+
+
+def need(key: str, name: str, lesson: bool, gpu: str, shipped: pd.DataFrame,
+         gpus: dict[str, set[str]]) -> tuple[tuple, str]:
+    """How much part ``key`` needs running on ``gpu``: a sort key (lowest first) and why, in words. First the lessons
+    with no reference rows for this GPU class, then the parts never timed on it, then those timed on it, oldest
+    first."""
+    rows = _rows_of(shipped, name, gpu)
+    done = rows[rows["status"] == "passed"] if not rows.empty else rows
+    if not done.empty:
+        when = str(done.iloc[-1].get("recorded_at", ""))
+        return (2, when), f"measured on this GPU class {when[:10]}"
+    if lesson and gpu not in gpus.get(key, set()):
+        return (0, ""), "no reference rows for this GPU class"
+    return (1, ""), "not timed on this GPU class yet"
+
+
+def order(parts: list, gpu: str, shipped: pd.DataFrame, gpus: dict[str, set[str]],
+          failed_quick: set[str] = frozenset()) -> list[tuple]:
+    """``parts`` (with ``key``, ``name``, ``notebook``) in the order a budgeted run starts them, each with why;
+    lessons that failed in quick mode go last. Stable: the course order within a level."""
+    ranked = []
+    for index, part in enumerate(parts):
+        rank, why = need(part.key, part.name, part.notebook is not None, gpu, shipped, gpus)
+        failed = part.key in failed_quick
+        if failed:
+            why = f"{why}; last: it failed in quick mode"
+        ranked.append(((failed, rank, index), part, why))
+    return [(part, why) for _, part, why in sorted(ranked, key=lambda r: r[0])]
+
+
+def plan_rows(parts: list, gpu: str, budget_s: float | None, shipped: pd.DataFrame, gpus: dict[str, set[str]],
+              cap_s: float = PART_CAP_S) -> pd.DataFrame:
+    """What one command would run on ``gpu`` within ``budget_s`` (None: no budget), had each part taken its
+    expected minutes: the smoke run first, then the full-mode parts in order of need, each with its minutes, their
+    source, its stop limit and the decision."""
+    left = math.inf if budget_s is None else budget_s
+    rows = []
+    smoke = [p for p in parts if p.key == "smoke"]
+    ordered = ([(p, "first: every lesson in quick mode") for p in smoke]
+               + order([p for p in parts if p.key != "smoke"], gpu, shipped, gpus))
+    for part, why in ordered:
+        minutes = expected(part.key, part.name, gpu, shipped)
+        target = TARGET_MIN.get(part.key)
+        over = f"; over its {target:g}-minute target" if target is not None and minutes.minutes > target else ""
+        if part.key == "smoke" or fits(minutes.minutes, left):
+            decision = "runs" if budget_s is None else f"runs, ends by {(budget_s - left) / 60 + minutes.minutes:.1f} min"
+            left -= minutes.minutes * 60
+        else:
+            decision = f"not run: {max(0.0, (left - RESERVE_S) / 60):.1f} min left"
+        limit = SMOKE_LIMIT_S if part.key == "smoke" else stop_limit_s(minutes.minutes, cap_s)
+        rows.append({"part": part.key, "runs": part.what, "minutes": minutes.minutes,
+                     "source": minutes.source() + over, "stop_min": round(limit / 60, 1), "why": why,
+                     "decision": decision})
+    return pd.DataFrame(rows, columns=["part", "runs", "minutes", "source", "stop_min", "why", "decision"])
+
+
+def _rows_of(shipped: pd.DataFrame, name: str, gpu: str) -> pd.DataFrame:
+    """The verify_gpu rows of part ``name`` on ``gpu``, oldest first."""
+    if shipped.empty or not {"part", "device_name", "status"} <= set(shipped):
+        return pd.DataFrame()
+    rows = shipped[(shipped["part"] == name) & (shipped["device_name"] == gpu)]
+    return rows.sort_values("recorded_at", kind="stable") if "recorded_at" in rows else rows
