@@ -4,6 +4,8 @@ Exit status of the command: 0 when every finding is OK or informational, 1 when 
 warning (the GPU works but something costs speed), 2 when it is an error (the GPU is not used).
 """
 
+import importlib.metadata
+import importlib.util
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -143,7 +145,9 @@ def _driver_too_old(driver_cuda, severity) -> Finding:
 
 def _driver_matches(driver_cuda) -> Finding:
     if driver_cuda is None:
-        return Finding("driver vs torch", Severity.OK, "torch initialised CUDA (NVML not reachable to compare versions)")
+        return Finding("driver vs torch", Severity.OK,
+                       f"torch initialised CUDA with its CUDA {torch.version.cuda}, so the driver runs it (the driver's "
+                       "own CUDA version comes from NVML: see 'NVML')")
     if _version(torch.version.cuda)[0] > driver_cuda[0]:
         return _driver_too_old(driver_cuda, Severity.WARNING)
     if _version(torch.version.cuda) > driver_cuda:
@@ -189,11 +193,45 @@ def _cudnn() -> Finding:
 def _nvml_findings() -> list[Finding]:
     try:
         with nvml.session() as nv:
-            return [finding for i in range(nv.nvmlDeviceGetCount()) for finding in _gpu_health(nv, i)]
+            count = nv.nvmlDeviceGetCount()
+            return [_nvml_works(nv, count), *(finding for i in range(count) for finding in _gpu_health(nv, i))]
     except nvml.NvmlUnavailable as err:
-        severity = Severity.WARNING if torch.cuda.is_available() else Severity.OK
-        return [Finding("NVML", severity, f"not reachable: {err}",
-                        "pip install nvidia-ml-py (monitoring and clock checks need it)")]
+        return [_nvml_unreachable(err)]
+
+
+def _nvml_works(nv, count: int) -> Finding:
+    driver = nvml.query(nv, nv.nvmlSystemGetDriverVersion, default="?")
+    driver = driver.decode() if isinstance(driver, bytes) else driver
+    return Finding("NVML", Severity.OK, f"NVIDIA driver {driver} answers through {_nvidia_ml_py()}: {count} GPU(s)")
+
+
+def _nvml_unreachable(err: nvml.NvmlUnavailable) -> Finding:
+    """What keeps NVML away, with the fix for that cause: the Python module (pip), or the driver's library (not pip)."""
+    if importlib.util.find_spec("pynvml") is None:
+        return Finding("NVML", Severity.WARNING,
+                       "the nvidia-ml-py package (module pynvml) is not installed: the course cannot read the GPU's "
+                       "clocks, temperature, power or utilisation",
+                       "pip install nvidia-ml-py")
+    reason = str(err.__context__ or err)  # NVML's own error, where nvml.py kept it
+    if torch.cuda.is_available():
+        return Finding("NVML", Severity.WARNING,
+                       f"{_nvidia_ml_py()} is installed, but NVML did not start ({reason}): torch reaches the GPU, so "
+                       "the driver is loaded, but its NVML library (libnvidia-ml.so.1) is not reachable from this "
+                       "process; clocks, temperature, power and utilisation cannot be read",
+                       "NVML comes with the NVIDIA driver, not with pip: in a container, start it with the NVIDIA "
+                       "Container Toolkit and the 'utility' capability (docker run --gpus all, or "
+                       "NVIDIA_DRIVER_CAPABILITIES=compute,utility) so that libnvidia-ml.so.1 and nvidia-smi are there; "
+                       "on your own machine, reinstall the NVIDIA driver until nvidia-smi works")
+    return Finding("NVML", Severity.WARNING,
+                   f"{_nvidia_ml_py()} is installed, but NVML did not start ({reason}): no NVIDIA driver answers here",
+                   "NVML comes with the NVIDIA driver, not with pip: see 'GPU visible to torch' (nvidia-smi must work)")
+
+
+def _nvidia_ml_py() -> str:
+    try:
+        return f"nvidia-ml-py {importlib.metadata.version('nvidia-ml-py')}"
+    except importlib.metadata.PackageNotFoundError:  # pynvml from another distribution
+        return "pynvml"
 
 
 def _gpu_health(nv, index: int) -> list[Finding]:

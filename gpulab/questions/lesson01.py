@@ -326,7 +326,19 @@ def _check_bandwidth(x, copy_seconds, add_seconds, copy_gbs, fraction) -> str:
             raise Wrong(f"expected a fraction of {expected:.3g}, got {_number(fraction):.3g}: {why}")
     expect_close(fraction, expected, rel=0.02, what="the fraction of copy bandwidth")
     return (f"the vector add moved data at {_number(fraction):.0%} of this device's measured copy bandwidth "
-            f"({_number(copy_gbs):.4g} GB/s).")
+            f"({_number(copy_gbs):.4g} GB/s)" + _cache_note(x.device, nbytes) + ".")
+
+
+def _cache_note(device: torch.device, nbytes: int) -> str:
+    """On a GPU, a warning when an array is less than four times the L2 cache: the bytes then came partly from L2,
+    so the fraction is not device memory's (an add whose arrays sit in L2 can pass a copy by more than memory allows)."""
+    if device.type != "cuda":
+        return ""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    if nbytes >= 4 * l2_bytes:
+        return ""
+    return (f"; but each array is {nbytes / 1e6:.3g} MB, less than four times this GPU's {l2_bytes / 1e6:.0f} MB L2 "
+            "cache, so part of these bytes came from L2: for device memory's bandwidth, make the arrays larger")
 
 
 q1 = Question(
