@@ -207,12 +207,12 @@ def _nvml_works(nv, count: int) -> Finding:
 
 def _nvml_unreachable(err: nvml.NvmlUnavailable) -> Finding:
     """What keeps NVML away, with the fix for that cause: the Python module (pip), or the driver's library (not pip)."""
-    if importlib.util.find_spec("pynvml") is None:
+    if err.module_missing:
         return Finding("NVML", Severity.WARNING,
                        "the nvidia-ml-py package (module pynvml) is not installed: the course cannot read the GPU's "
                        "clocks, temperature, power or utilisation",
                        "pip install nvidia-ml-py")
-    reason = str(err.__context__ or err)  # NVML's own error, where nvml.py kept it
+    reason = err.reason  # NVML's own error
     if torch.cuda.is_available():
         return Finding("NVML", Severity.WARNING,
                        f"{_nvidia_ml_py()} is installed, but NVML did not start ({reason}): torch reaches the GPU, so "

@@ -10,7 +10,12 @@ import torch
 
 
 class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used here; the message says why."""
+    """NVML cannot be used here; the message says why. ``reason`` is the underlying error in its own words, and
+    ``module_missing`` says whether the cause is the Python module (not the driver)."""
+
+    def __init__(self, message: str, reason: str = "", module_missing: bool = False):
+        super().__init__(message)
+        self.reason, self.module_missing = reason or message, module_missing
 
 
 @contextmanager
@@ -27,14 +32,12 @@ def _start():
     """The pynvml module, initialised (NVML counts its starts: each needs its own nvmlShutdown)."""
     try:
         import pynvml
-    except ImportError:
-        raise NvmlUnavailable(
-            "the 'pynvml' module is missing: pip install nvidia-ml-py"
-        ) from None
+    except ImportError as err:
+        raise NvmlUnavailable("the 'pynvml' module is missing: pip install nvidia-ml-py", str(err), True) from err
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
-        raise NvmlUnavailable(f"NVML could not start ({err}): no NVIDIA driver on this machine?") from None
+        raise NvmlUnavailable(f"NVML could not start ({err})", str(err)) from err
     return pynvml
 
 

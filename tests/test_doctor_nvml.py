@@ -21,14 +21,11 @@ def nvml_finding() -> doctor.Finding:
 @pytest.fixture
 def no_nvml_library(monkeypatch):
     """nvidia-ml-py importable, NVML's library not (as on this CI machine, and in a container without the driver's
-    utility libraries): nvml.session raises what nvml.py raises there, from NVML's own error."""
+    utility libraries): nvml.session raises what nvml.py raises there, with NVML's own error as its reason."""
     @contextmanager
     def session():
-        try:
-            raise RuntimeError("NVML Shared Library Not Found")
-        except RuntimeError:
-            raise nvml.NvmlUnavailable("NVML could not start (NVML Shared Library Not Found): no NVIDIA driver on "
-                                       "this machine?") from None
+        raise nvml.NvmlUnavailable("NVML could not start (NVML Shared Library Not Found)",
+                                   "NVML Shared Library Not Found")
         yield
 
     monkeypatch.setattr(nvml, "session", session)
