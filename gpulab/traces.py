@@ -11,16 +11,23 @@ The lessons write ``torch.profiler`` out in their cells; this module only reads 
 - ``gpu_busy(trace)``: per step, the time the GPU ran anything (kernels, copies, memsets), the time it ran kernels,
   and the rest (idle); ``temporal_breakdown``: the same over the whole trace, as HolisticTraceAnalysis splits it;
 - ``idle_breakdown``: the GPU's idle time per stream by cause (host wait, kernel wait, other), as HTA classifies it;
+- ``bottleneck(trace)``: what limits the profiled steps, read from those two: the GPU (busy nearly all the time),
+  the CPU (its idle time mostly host wait), launch overhead (mostly kernel wait), or something else;
+- ``range_spans(trace)``: each ``record_function`` range's CPU side beside its GPU side (see below);
 - ``runtime_calls``: the CUDA runtime and driver calls in a trace (cudaLaunchKernel, cudaMalloc, ...), counted;
 - ``record`` / ``reference_trace``: a GPU trace from a full run, shipped with its provenance in
   ``gpulab/reference/``; ``hta_breakdown``: HolisticTraceAnalysis itself on a trace.
 
 How the numbers relate. A trace recorded on a GPU holds each ``ProfilerStep#N`` and ``record_function`` range twice:
-on the CPU (``user_annotation``) and as a GPU-side span over the kernels it launched (``gpu_user_annotation``);
-steps are the CPU-side ones only. The GPU is *busy* while a kernel, a copy or a memset runs (HTA's compute plus
-non-compute time) and *idle* otherwise (HTA's idle time); ``kernel_ms`` counts kernels alone, which is what NVML's
-"GPU utilisation" samples. ``temporal_breakdown`` and ``idle_breakdown`` agree with HTA (tests/test_traces_real_gpu.py
-checks it on real A100 and MI250 traces, with HTA itself), except where HTA does something that has a name:
+on the CPU (``user_annotation``) and as a GPU-side span (``gpu_user_annotation``). The GPU side spans only the GPU
+work launched *directly* inside the range, on the thread that opened it: not inside a nested range (that range's own
+GPU side holds it), and not from another thread (autograd launches backward's kernels from a thread of its own). So a
+``ProfilerStep`` whose work all sits in nested ranges has a GPU side of one copy or kernel, microseconds long, and a
+``backward`` range one of the kernel that seeds the gradient. Steps are the CPU-side ones only. The GPU is *busy*
+while a kernel, a copy or a memset runs (HTA's compute plus non-compute time) and *idle* otherwise (HTA's idle time);
+``kernel_ms`` counts kernels alone, which is what NVML's "GPU utilisation" samples. ``temporal_breakdown`` and
+``idle_breakdown`` agree with HTA (tests/test_traces_real_gpu.py checks it on real A100 and MI250 traces, with HTA
+itself), except where HTA does something that has a name:
 
 - HTA first rounds every event inward to whole microseconds (start up, end down; its workaround for events that
   overlap by nanoseconds), which shortens each kernel by up to 1 µs and lengthens each gap by as much: on a trace of
@@ -48,6 +55,7 @@ import re
 import tempfile
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -100,9 +108,10 @@ def op_table(profile, *, group_by_input_shape: bool = False) -> pd.DataFrame:
 
 def kernel_table(profile, *, group_by_input_shape: bool = False) -> pd.DataFrame:
     """The GPU side of ``profile.key_averages()``: one row per kernel, copy and memset (kind "kernel", "memcpy",
-    "memset"), and per ``record_function`` range that launched GPU work (kind "range", is_range: its span on the
-    GPU, from its first kernel's start to its last one's end). The columns of ``op_table``; here ``operator`` is
-    the kernel's name, the CPU columns are 0 and ``self_device_ms`` = ``device_total_ms`` is the time it ran.
+    "memset"), and per ``record_function`` range that launched GPU work directly (kind "range", is_range: its GPU
+    side, from the first to the last GPU event launched inside it on its own thread and outside its nested ranges;
+    see ``range_spans``). The columns of ``op_table``; here ``operator`` is the kernel's name, the CPU columns are 0
+    and ``self_device_ms`` = ``device_total_ms`` is the time it ran.
     """
     rows = [row for row in _rows(profile, group_by_input_shape) if row["device_type"] != "CPU"]
     if not rows:
@@ -244,8 +253,8 @@ def has_device_events(trace) -> bool:
 def _step_marks(frame: pd.DataFrame) -> pd.DataFrame:
     """The CPU-side ``ProfilerStep#N`` ranges of an ``events`` frame, with their step number, in time order.
 
-    A GPU trace also holds each one as a GPU-side span (``gpu_user_annotation``) over the kernels the step launched:
-    a second window for the same step, at another time. Those are left out.
+    A GPU trace also holds each one as a GPU-side span (``gpu_user_annotation``) over the GPU work launched directly
+    in the step, outside its nested ranges: a second, much shorter window for the same step. Those are left out.
     """
     marks = frame[frame["name"].str.startswith(STEP_PREFIX) & ~frame["cat"].isin(DEVICE_SIDE_CATEGORIES)]
     return marks.assign(step=marks["name"].str.removeprefix(STEP_PREFIX).astype(int)).sort_values("start_ms")
@@ -339,7 +348,8 @@ def gpu_busy(trace) -> pd.DataFrame:
     Columns: step, step_ms, busy_ms (a kernel, copy or memset ran: the union of their intervals, overlaps counted
     once), kernel_ms (a kernel ran), idle_ms (nothing ran: step_ms - busy_ms, HTA's idle time), busy_share,
     kernel_share, kernels, memcpy_ms, memset_ms. ``kernel_share`` is what NVML's "GPU utilisation" approximates over
-    its sample period: the share of time *any* kernel ran (copy engines do not count there).
+    its sample period: the share of time *any* kernel ran, however small (one thread counts), from any process on the
+    GPU, where the trace holds this process's only (copy engines do not count there).
     """
     trace = load_trace(trace)
     gpu = _require_kernels(trace, "GPU busy time")
@@ -410,6 +420,84 @@ def idle_breakdown(trace, kernel_wait_us: float = 30.0, hta_rounding: bool = Fal
                          "idle_share": idle_us / total if total > 0 else 0.0})
     return pd.DataFrame(rows)
 
+
+GPU_BOUND_AT = 0.9  # busy this share of the steps' window or more: the GPU is what limits them
+_BOUND_BY_CAUSE = {"host_wait": "CPU", "kernel_wait": "launch overhead", "other": "other"}
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """What limits the profiled steps of a GPU trace: ``bound`` is "GPU" when the GPU was busy at least
+    ``GPU_BOUND_AT`` of the steps' window, else named after the largest cause of its idle time: "CPU" (host wait),
+    "launch overhead" (kernel wait) or "other". Shares are fractions; ``idle_causes`` splits the idle time between
+    the GPU's events by cause (``idle_breakdown``, all streams together)."""
+
+    bound: str
+    busy_share: float
+    kernel_share: float
+    idle_causes: dict
+
+    def __str__(self) -> str:
+        busy = f"the GPU ran kernels, copies or memsets {self.busy_share:.1%} of the profiled steps' time"
+        if self.bound == "GPU":
+            return f"the GPU is the bottleneck: {busy}"
+        cause = max(self.idle_causes, key=self.idle_causes.get)
+        why = {"host_wait": "host wait (the CPU had not queued the next GPU work yet)",
+               "kernel_wait": "kernel wait (short gaps between back-to-back kernels: launch overhead)",
+               "other": "neither host nor kernel wait (waits on events or other streams)"}[cause]
+        return (f"the {self.bound} is the bottleneck, not the GPU: {busy}, and {self.idle_causes[cause]:.0%} of its "
+                f"idle time was {why}")
+
+
+def bottleneck(trace, busy_at_least: float = GPU_BOUND_AT) -> Bottleneck:
+    """Read from a GPU trace what limits its profiled steps (see ``Bottleneck``): the busy share over all the steps'
+    windows together (``gpu_busy``), and the causes of the idle time (``idle_breakdown``)."""
+    busy = gpu_busy(trace)
+    window = busy["step_ms"].sum()
+    idle = idle_breakdown(trace).groupby("idle_category")["idle_ms"].sum().reindex(IDLE_CATEGORIES, fill_value=0.0)
+    total = idle.sum()
+    causes = {name: float(ms / total) if total > 0 else 0.0 for name, ms in idle.items()}
+    if total == 0:  # no gap between GPU events: the idle time is before the first one, waiting for the CPU
+        causes["host_wait"] = 1.0
+    busy_share = _share(busy["busy_ms"].sum(), window)
+    bound = "GPU" if busy_share >= busy_at_least else _BOUND_BY_CAUSE[max(causes, key=causes.get)]
+    return Bottleneck(bound, busy_share, _share(busy["kernel_ms"].sum(), window), causes)
+
+
+def range_spans(trace) -> pd.DataFrame:
+    """Each ``record_function`` range and ``ProfilerStep`` of a GPU trace: its CPU side beside its GPU side.
+
+    Columns: step (the ``ProfilerStep`` the range ran in; NaN outside them), name, cpu_ms (the CPU side's length),
+    launched (the GPU events the CPU launched while the range ran, from any thread or nested range), gpu_span_ms (the
+    GPU side's length; NaN when the range has none), in_span (the GPU events inside the GPU side). The GPU side spans
+    only the work launched directly in the range on its own thread (the module's notes), so for a ``ProfilerStep``
+    ``in_span`` is far below ``launched``.
+    """
+    raw = _complete(trace)
+    gpu = _require_kernels(trace, "The GPU side of the ranges")
+    origin = min(float(e["ts"]) for e in raw)
+
+    def window(e):
+        start = float(e["ts"]) - origin
+        return start, start + float(e.get("dur", 0.0))
+
+    gpu_side = {(e.get("args") or {}).get("External id"): window(e) for e in raw if e.get("cat") == "gpu_user_annotation"}
+    cpu_side = [e for e in raw if e.get("cat") == "user_annotation"]
+    windows = steps(trace)
+    rows = []
+    for e in cpu_side:
+        start, end = window(e)
+        span = gpu_side.get((e.get("args") or {}).get("External id"))
+        inside = windows[(windows["start_ms"] * _US_PER_MS <= start) & (start < windows["end_ms"] * _US_PER_MS)]
+        rows.append({
+            "step": inside["step"].iloc[0] if len(inside) else float("nan"),
+            "name": str(e.get("name", "")),
+            "cpu_ms": (end - start) / _US_PER_MS,
+            "launched": int(gpu["launch"].between(start, end).sum()),
+            "gpu_span_ms": (span[1] - span[0]) / _US_PER_MS if span else float("nan"),
+            "in_span": int(((gpu["start"] >= span[0]) & (gpu["end"] <= span[1])).sum()) if span else 0,
+        })
+    return pd.DataFrame(rows, columns=["step", "name", "cpu_ms", "launched", "gpu_span_ms", "in_span"])
 
 def runtime_calls(trace) -> pd.DataFrame:
     """The CPU's calls into the CUDA (or HIP) runtime and driver in a trace, per name: name, calls, total_ms, mean_us,

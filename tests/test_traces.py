@@ -157,8 +157,9 @@ def test_gpu_busy_is_the_union_of_gpu_intervals_per_step(gpu_trace_file):
 
 
 def test_a_gpu_side_copy_of_a_step_is_not_a_step(gpu_trace_file):
-    """On a GPU, Kineto writes each ProfilerStep#N a second time, on the GPU's row (gpu_user_annotation), spanning
-    the kernels the step launched: still two steps, with the same busy time."""
+    """On a GPU, Kineto writes each ProfilerStep#N a second time, on the GPU's row (gpu_user_annotation), over the
+    GPU work launched directly in the step (outside its nested ranges; here made to span most of its kernels):
+    still two steps, with the same busy time."""
     trace = gpu_trace()
     for step in (1, 2):
         t0 = step * STEP_US

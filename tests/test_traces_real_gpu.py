@@ -134,12 +134,12 @@ def test_where_htas_temporal_breakdown_differs_the_reason_is_shown_by_hta_itself
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # HTA's own use of pandas
 def test_a_kernel_queued_after_the_profiled_steps_is_left_out_and_how_hta_differs(tmp_path):
-    """A CUDA trace holds each step's range a second time on the GPU's rows, spanning that step's kernels, which
-    end after the CPU side of the step. A kernel queued after the last step (by code after the loop) while the GPU
-    still runs the step's kernels is no part of the profiled steps: gpulab leaves it out, whichever copy of the
-    step ends last. HTA 0.5 means to leave it out too, but keeps it: it compares each CPU event's start, shifted to
-    the trace's start, with the last step's end, which it does not shift (its "end" column is computed before it
-    aligns the trace), so with include_last_profiler_step=True nothing is ever left out."""
+    """A CUDA trace holds each step's range a second time on the GPU's rows, spanning the GPU work launched directly in
+    the step, which can end after the CPU side of the step. A kernel queued after the last step (by code after the
+    loop) while the GPU still runs the step's kernels is no part of the profiled steps: gpulab leaves it out,
+    whichever copy of the step ends last. HTA 0.5 means to leave it out too, but keeps it: it compares each CPU
+    event's start, shifted to the trace's start, with the last step's end, which it does not shift (its "end" column
+    is computed before it aligns the trace), so with include_last_profiler_step=True nothing is ever left out."""
     trace = raw(MI250)
     step2 = next(e for e in trace["traceEvents"] if e.get("cat") == "user_annotation" and e["name"] == "ProfilerStep#2")
     cpu_end = step2["ts"] + step2["dur"]
