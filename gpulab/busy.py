@@ -85,8 +85,8 @@ def measure(step, *, label: str = "", steps: int | None = None, warmup: int = 3,
     for _ in range(warmup):
         step()
     synced_clock(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=0, warmup=1, active=steps)) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
+                 schedule=schedule(wait=0, warmup=1, active=steps)) as prof:  # acc_events: torch 2.11 warns without
         for _ in range(1 + steps):
             step()
             prof.step()
