@@ -8,6 +8,11 @@ tensors), collects garbage and empties the CUDA cache, so allocated memory retur
 A memory budget stops the search below the card's size, for shared GPUs, and makes the search work on
 the CPU: there is no allocator to run out of there, so a ``gpulab.memory.MemoryTracker`` counts the bytes of the
 tensors a step creates and raises ``BudgetExceeded`` (an out-of-memory error) when they pass the budget.
+
+What a search counts decides its answer, so two searches compare only when they count the same way:
+``count="allocator"`` (on CUDA, the default) counts the caching allocator's bytes, which also hold the scratch
+memory libraries take during a call (cuDNN's convolution workspaces) and so are what runs out on the card;
+``count="tensors"`` counts the bytes of the step's tensors alone, on any device, as an emulated card does.
 """
 
 import gc
@@ -22,6 +27,7 @@ from .device import get_device
 from .memory import BudgetExceeded, MemoryTracker
 
 FITS, OUT_OF_MEMORY, OVER_BUDGET = "fits", "out of memory", "over budget"
+ALLOCATOR, TENSORS = "allocator", "tensors"  # what a search counts: the CUDA allocator's bytes, or the tensors'
 
 # Memory failures that surface as a plain RuntimeError rather than torch.OutOfMemoryError.
 OOM_MESSAGES = (
@@ -45,7 +51,7 @@ class Trial:
 
     batch_size: int
     outcome: str  # FITS, OUT_OF_MEMORY or OVER_BUDGET
-    peak_bytes: int  # the most memory allocated above the search's start, up to the end or the failure
+    peak_bytes: int  # the most bytes above the search's start, counted as the search counts, up to the end or failure
     seconds: float
 
     @property
@@ -62,7 +68,8 @@ class BatchSearch:
     stopped: str  # why the search ended
     device: str
     budget_bytes: float | None
-    allocated_before: int  # bytes allocated when the search started (CPU: tracked tensors, so 0)
+    count: str  # ALLOCATOR or TENSORS: what the peaks, the budget and the bytes before and after count
+    allocated_before: int  # bytes allocated when the search started (counting tensors: tracked tensors, so 0)
     # ... and after it finished: equal unless the step keeps tensors alive, or made a one-time allocation
     # (cuBLAS keeps a workspace from the first matrix multiply of a process on)
     allocated_after: int
@@ -81,9 +88,10 @@ class BatchSearch:
 
     def __str__(self) -> str:
         budget = f", budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""
+        counted = "the allocator's bytes" if self.count == ALLOCATOR else "the bytes of tensors"
         leaked = self.allocated_after - self.allocated_before
         return (
-            f"largest batch that fits on {self.device}{budget}: {self.batch_size} ({self.stopped}; "
+            f"largest batch that fits on {self.device}{budget}, counting {counted}: {self.batch_size} ({self.stopped}; "
             f"{len(self.trials)} trials, {sum(t.seconds for t in self.trials):.2f} s)\n"
             f"allocated before the search {_mib(self.allocated_before)}, after {_mib(self.allocated_after)}"
             f" ({'nothing left behind' if leaked == 0 else f'{_mib(leaked)} left behind'})\n"
@@ -100,6 +108,7 @@ def find_max_batch(
     granularity: int = 1,
     max_trials: int = 40,
     device: str | torch.device | None = None,
+    count: str | None = None,
 ) -> BatchSearch:
     """The largest batch size up to ``max_batch`` for which ``step(batch_size)`` fits in memory.
 
@@ -109,15 +118,19 @@ def find_max_batch(
     optimizer, batch) and keep nothing, so that every byte is counted and freed again. Errors other
     than running out of memory propagate unchanged.
 
-    The budget is checked against the allocator's peak after each step on CUDA (a step may pass it
-    briefly), and enforced while the step runs elsewhere (a MemoryTracker stops it).
+    ``count`` says what is counted: ``"allocator"`` (CUDA only, its default there), the caching allocator's bytes,
+    whose peak is checked against the budget after each step (a step may pass it briefly) and includes the
+    scratch memory libraries take during a call, such as cuDNN's workspaces; ``"tensors"`` (the default
+    elsewhere), the bytes of the tensors the step creates, which a MemoryTracker stops as soon as they pass the
+    budget. Searches compare only when they count the same way.
     """
     if not callable(step):
         raise TypeError(f"step must be a function of the batch size, got {type(step).__name__}")
     device = get_device(device)
+    count = _check_count(count, device)
     _check_bounds(start, max_batch, granularity, max_trials)
     _check_budget(budget_bytes, device)
-    meter = _Meter(device, budget_bytes)
+    meter = _Meter(device, budget_bytes, count)
     before = meter.allocated()
     trials: list[Trial] = []
 
@@ -155,22 +168,23 @@ def find_max_batch(
         stopped=stopped,
         device=str(device),
         budget_bytes=budget_bytes,
+        count=count,
         allocated_before=before,
         allocated_after=meter.allocated(),
     )
 
 
 class _Meter:
-    """Runs trials and measures their memory: allocator statistics on CUDA, a MemoryTracker elsewhere."""
+    """Runs trials and measures their memory: the CUDA allocator's statistics, or a MemoryTracker's count of tensors."""
 
-    def __init__(self, device: torch.device, budget: float | None):
+    def __init__(self, device: torch.device, budget: float | None, count: str):
         self.device, self.budget = device, budget
         self.cuda = device.type == "cuda"
-        self.tracker = None if self.cuda else MemoryTracker(budget)
+        self.tracker = MemoryTracker(budget) if count == TENSORS else None
         self.start = self.allocated()
 
     def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else self.tracker.current
+        return self.tracker.current if self.tracker is not None else torch.cuda.memory_allocated(self.device)
 
     def trial(self, step, batch_size: int) -> Trial:
         began = time.perf_counter()
@@ -190,15 +204,17 @@ class _Meter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            step(batch_size)
-            torch.cuda.synchronize(self.device)
-        else:
+        if self.tracker is not None:
             self.tracker.reset_peak()
             with self.tracker:
                 step(batch_size)
+        else:
+            step(batch_size)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def _peak(self) -> int:
-        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else self.tracker.peak
+        peak = self.tracker.peak if self.tracker is not None else torch.cuda.max_memory_allocated(self.device)
         return peak - self.start
 
     def clean_up(self, empty_cache: bool = True) -> None:
@@ -217,6 +233,18 @@ def _check_bounds(start, max_batch, granularity, max_trials) -> None:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if max_batch < start:
         raise ValueError(f"max_batch ({max_batch}) is below start ({start}): there is nothing to search")
+
+
+def _check_count(count, device: torch.device) -> str:
+    """What the search counts: ``count``, or by default the allocator on CUDA and the tensors elsewhere."""
+    if count is None:
+        return ALLOCATOR if device.type == "cuda" else TENSORS
+    if count not in (ALLOCATOR, TENSORS):
+        raise ValueError(f"count is {ALLOCATOR!r} or {TENSORS!r} (or None for the device's default), got {count!r}")
+    if count == ALLOCATOR and device.type != "cuda":
+        raise ValueError(f"count={ALLOCATOR!r} needs a CUDA device: {device} has no caching allocator to count; "
+                         f"count={TENSORS!r} counts the bytes of the step's tensors there")
+    return count
 
 
 def _check_budget(budget, device: torch.device) -> None:

@@ -5,6 +5,9 @@ A CPU has no such statistics, so ``MemoryTracker`` counts them itself: a dispatc
 operator, adds the bytes of each new tensor and subtracts them when the tensor is freed. With a budget it
 raises ``BudgetExceeded`` (an out-of-memory error): an emulated, smaller card.
 
+``WorkspaceMeter`` measures, on a GPU, what the allocator holds beyond the tensors: the scratch memory (a
+*workspace*) an operator takes during its call and gives back before it returns, as cuDNN's convolutions do.
+
 ``snapshot_timeline`` turns a snapshot written by ``torch.cuda.memory._dump_snapshot`` into the same kind
 of timeline as ``MemoryTracker.timeline()``, so ``gpulab.plots.memory_timeline`` draws either without a
 browser or internet (pytorch.org/memory_viz needs both).
@@ -129,6 +132,47 @@ class MemoryTracker(TorchDispatchMode):
     def _log(self, action: str, op: str, nbytes: int) -> None:
         if self.record:
             self._events.append((self._phase, action, op, nbytes, self.current))
+
+
+# ----- what the CUDA allocator holds beyond the tensors ------------------------------------------------
+
+
+class WorkspaceMeter(TorchDispatchMode):
+    """Scratch memory that operators take from the CUDA caching allocator during a call and give back before it returns.
+
+    cuDNN picks an algorithm for each convolution shape, and many need a scratch buffer, a *workspace*, which
+    PyTorch allocates from its caching allocator for the duration of the call. No tensor of the program holds it,
+    so counting tensors (``MemoryTracker``) misses it; the allocator's peak, and the card, hold it. Inside
+    ``with meter:`` each operator's scratch is the allocator's peak during its call above what was allocated both
+    before and after it; ``table()`` keeps each operator's largest. The meter resets the allocator's peak statistics
+    before every operator, so ``torch.cuda.max_memory_allocated`` says nothing about the block as a whole.
+    """
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.device = get_device(device)
+        if self.device.type != "cuda":
+            raise TrackerError(f"a WorkspaceMeter reads the CUDA caching allocator, and {self.device} has none: there, "
+                               "count the tensors with a MemoryTracker")
+        self._largest: dict[str, tuple[int, int]] = {}  # operator: (calls, the most scratch of one call)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)  # the peak from here on is this call's
+        out = func(*args, **(kwargs or {}))
+        after, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+        name = func.overloadpacket.__name__
+        calls, largest = self._largest.get(name, (0, 0))
+        self._largest[name] = (calls + 1, max(largest, peak - max(before, after)))
+        return out
+
+    def table(self) -> pd.DataFrame:
+        """One row per operator that ran: its calls and the most scratch memory one call took, largest first."""
+        if not self._largest:
+            raise TrackerError("the meter has seen no operator yet: run the step inside `with meter:` first")
+        rows = [(op, calls, scratch) for op, (calls, scratch) in self._largest.items()]
+        frame = pd.DataFrame(rows, columns=["op", "calls", "scratch_bytes"])
+        return frame.sort_values("scratch_bytes", ascending=False, kind="stable").reset_index(drop=True)
 
 
 # ----- snapshots of the CUDA caching allocator --------------------------------------------------------
