@@ -124,6 +124,7 @@ def _check_output_folder(out: Path) -> None:
 
 
 def test_the_smoke_run_then_the_parts_in_order_of_need_each_only_where_it_fits(tmp_path, on_a_gpu, monkeypatch):
+    monkeypatch.setattr(planning, "WHOLE_CARD_QUICK", ("05",))  # as a lesson that takes the whole card would be listed
     monkeypatch.setattr(planning, "PLANNED", {"smoke": estimate(2.5, "s"), "tests": estimate(2.0, "t"),
                                               "00": estimate(1.0, "z"), "05": estimate(2.0, "m"),
                                               "08": estimate(3.0, "c"), "bench": estimate(0.5, "b")})
@@ -210,7 +211,8 @@ def test_results_that_cannot_ship_do_not_stop_the_parts_after_them(tmp_path, on_
 # --------------------------------------------------------------------------------------------- real kernels
 
 
-def test_the_smoke_run_runs_two_lessons_at_once_then_the_whole_card_lesson_alone(tmp_path, on_a_gpu):
+def test_the_smoke_run_runs_two_lessons_at_once_then_the_whole_card_lesson_alone(tmp_path, on_a_gpu, monkeypatch):
+    monkeypatch.setattr(planning, "WHOLE_CARD_QUICK", ("05",))  # as a lesson that takes the whole card would be listed
     flags = tmp_path / "flags"
     flags.mkdir()
 
@@ -347,9 +349,12 @@ def test_the_smoke_run_takes_one_lesson_per_two_cores_and_four_gib_and_starts_th
     assert [p.stem[:2] for p in order] == ["10", "01", "03", "00"]  # a lesson without a measurement first
 
 
-def test_lesson_03_searches_the_whole_card_only_in_full_mode():
-    """The smoke run runs 03 beside the others because its quick mode searches within a budget: if that changes,
-    03 must join WHOLE_CARD_QUICK."""
-    source = "".join(c.source for c in nbformat.read(ROOT / "notebooks" / "03_batching.ipynb", as_version=4).cells)
-    assert re.search(r"budget = None if on_gpu and not gpulab\.quick_mode\(\) else", source)
-    assert planning.WHOLE_CARD_QUICK == ("05",)
+def test_no_lesson_takes_the_whole_card_in_quick_mode():
+    """The smoke run runs every lesson beside the others: 03's quick mode searches within a budget, and 05's OOM demo
+    runs inside a memory-fraction cap. If either changes, that lesson must join WHOLE_CARD_QUICK."""
+    def source(name):
+        return "".join(c.source for c in nbformat.read(ROOT / "notebooks" / name, as_version=4).cells)
+
+    assert re.search(r"budget = None if on_gpu and not gpulab\.quick_mode\(\) else", source("03_batching.ipynb"))
+    assert "torch.cuda.set_per_process_memory_fraction(" in source("05_memory.ipynb")
+    assert planning.WHOLE_CARD_QUICK == ()
