@@ -68,6 +68,17 @@ class Conditions:
         quiet machine would measure something else."""
         return self.oversubscribed
 
+    @property
+    def at_power_limit(self) -> bool:
+        """The power limit held the clocks down: power near the limit (90 %), or the SM clock below the card's
+        maximum; True where neither can be read."""
+        known = self.gpu_power_w == self.gpu_power_w and self.gpu_power_limit_w == self.gpu_power_limit_w
+        slowed = self.sm_clock_low_mhz == self.sm_clock_low_mhz and self.sm_clock_max_mhz == self.sm_clock_max_mhz \
+            and self.sm_clock_low_mhz < self.sm_clock_max_mhz
+        if not known and not slowed:
+            return True
+        return slowed or (known and self.gpu_power_w >= 0.9 * self.gpu_power_limit_w)
+
     def clocks(self) -> str:
         """The SM clock over the span in words ("1515–1980 MHz of 1980"), "" where unknown."""
         if self.sm_clock_low_mhz != self.sm_clock_low_mhz:
@@ -87,8 +98,12 @@ class Conditions:
         power = [r for r in self.throttle if r in POWER]
         heat = [r for r in self.throttle if r in HEAT]
         other = [r for r in self.throttle if r not in POWER and r not in HEAT]
-        if power:
+        if power and self.at_power_limit:
             said.append(f"the GPU ran at its power limit ({', '.join(power)}{clocks}), as long, dense work does")
+        elif power:  # NVML raises the flag at low power too (the H200 did so on PCIe copies at 130-250 W of 700)
+            drawn = (f" at {self.gpu_power_w:.0f} W of {self.gpu_power_limit_w:.0f} W"
+                     if self.gpu_power_w == self.gpu_power_w and self.gpu_power_limit_w == self.gpu_power_limit_w else "")
+            said.append(f"NVML reported {', '.join(power)}{drawn}, with the SM clock at its maximum")
         if heat:
             said.append(f"the GPU slowed down for heat or a hardware limit ({', '.join(heat)}{clocks if not power else ''})")
         if other:

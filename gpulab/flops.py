@@ -351,7 +351,7 @@ def reference_peak(precisions, device=None) -> tuple[str, float]:
     peaks = {p: datasheet(name, p) if device.type == "cuda" else None for p in precisions}
     if not all(peaks.values()):
         peaks = {p: ceiling(p, device).tflops for p in precisions}
-    best = max(peaks, key=peaks.get)
+    best = max(peaks, key=lambda p: (peaks[p], p == "bf16"))  # bf16 on a tie with fp16: what training uses
     return best, peaks[best]
 
 
@@ -431,16 +431,21 @@ class Utilisation:
         if self.impossible:
             return f"MFU not shown: {self.warning}"
         if self.datasheet_tflops:
-            text = (f"MFU {self.mfu:.1%} ({self.achieved_tflops:.3g} TFLOP/s of model FLOPs over the dense "
+            text = (f"MFU {percent(self.mfu)} ({self.achieved_tflops:.3g} TFLOP/s of model FLOPs over the dense "
                     f"{self.precision} peak of {self.datasheet_tflops:g})")
         else:
             text = f"MFU unknown (no vendor's {self.precision} peak for this device: {self.achieved_tflops:.3g} TFLOP/s)"
-        text += (f"; {self.of_achievable:.1%} of achievable (the {self.precision} ceiling measured here, "
+        text += (f"; {percent(self.of_achievable)} of achievable (the {self.precision} ceiling measured here, "
                  f"{self.ceiling_tflops:.3g})")
         if self.hardware_flops and self.hardware_flops != self.model_flops:
-            hfu = f"{self.hfu:.1%}" if self.datasheet_tflops else f"{self.hfu_of_achievable:.1%} of achievable"
+            hfu = percent(self.hfu) if self.datasheet_tflops else f"{percent(self.hfu_of_achievable)} of achievable"
             text += f"; HFU {hfu} (recomputed FLOPs included)"
         return text
+
+
+def percent(share: float) -> str:
+    """A share as a percentage with three significant digits (41.2 %, 0.0283 %): a small model's MFU is not 0.0 %."""
+    return f"{share * 100:.3g} %"
 
 
 def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Ceiling]", *, precision: str | None = None,

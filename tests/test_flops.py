@@ -228,8 +228,9 @@ def test_mfu_divides_by_the_dense_datasheet_peak_and_of_achievable_by_the_measur
     u = flops.mfu(4e14, 1.0, CEILINGS, precision="bf16")  # 400 TFLOP/s of model FLOPs
     assert u.mfu == pytest.approx(400 / 989.5)  # the field's MFU: comparable with published ones
     assert u.ceiling_tflops == 800.0 and u.of_achievable == pytest.approx(0.5)
-    assert "MFU 40.4% (400 TFLOP/s of model FLOPs over the dense bf16 peak of 989.5)" in str(u)
-    assert "50.0% of achievable (the bf16 ceiling measured here, 800)" in str(u)
+    assert "MFU 40.4 % (400 TFLOP/s of model FLOPs over the dense bf16 peak of 989.5)" in str(u)
+    assert "50 % of achievable (the bf16 ceiling measured here, 800)" in str(u)
+    assert flops.percent(0.0189 / 67) == "0.0282 %"  # a small model's MFU is not "0.0 %"
     row = u.row()
     assert row["mfu"] == pytest.approx(400 / 989.5) and row["of_achievable"] == pytest.approx(0.5)
 
@@ -260,7 +261,7 @@ def test_the_h200s_first_run_of_lesson_09_as_the_field_reads_it():
 def test_hfu_counts_recomputed_flops_and_impossible_numbers_are_never_shown():
     u = flops.mfu(3e14, 1.0, CEILINGS["bf16"], hardware_flops=4e14)
     assert u.of_achievable == pytest.approx(3 / 8) and u.hfu == pytest.approx(400 / 989.5)
-    assert "HFU 40.4%" in str(u) and not u.warning and u.row()["hfu"] == pytest.approx(400 / 989.5)
+    assert "HFU 40.4 %" in str(u) and not u.warning and u.row()["hfu"] == pytest.approx(400 / 989.5)
     assert math.isnan(flops.mfu(3e14, 1.0, CEILINGS["bf16"]).row()["hfu"])
     too_much = flops.mfu(1.04 * 989.5e12, 1.0, CEILINGS["bf16"])  # nanoGPT PR #464: 104 %, another card's peak
     assert too_much.impossible and "above the card's dense bf16 peak" in too_much.warning
@@ -300,6 +301,7 @@ def test_a_waterfall_across_precisions_measures_every_step_against_one_peak(monk
     monkeypatch.setattr(flops, "get_device", lambda device: device)
     precision, peak = flops.reference_peak(["fp32", "bf16"], torch.device("cuda"))
     assert (precision, peak) == ("bf16", 989.5)
+    assert flops.reference_peak(["fp16", "bf16", "fp32"], torch.device("cuda"))[0] == "bf16"  # on a tie
     fp32 = flops.mfu(30e12, 1.0, flops.Ceiling("fp32", 50.0, datasheet_tflops=67.0))
     bf16 = flops.mfu(90e12, 1.0, flops.Ceiling("bf16", 700.0, datasheet_tflops=989.5))
     assert bf16.mfu < fp32.mfu and bf16.against(peak) == pytest.approx(3 * fp32.against(peak))

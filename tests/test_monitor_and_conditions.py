@@ -282,6 +282,17 @@ def test_a_span_on_the_cpu_starts_no_thread_and_has_no_gpu_columns(monkeypatch):
     assert watch.conditions.row()["caveat"] == "the CPU was oversubscribed (load average 6.0 on 4 cores)"
 
 
+def test_a_power_cap_flag_at_low_power_and_full_clocks_is_not_called_running_at_the_limit():
+    """The H200 flagged "SW power cap" on PCIe copies at 130-250 W of 700 W with the clock at 1965-1980 of 1980 MHz."""
+    copies = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, sm_clock_low_mhz=1980, sm_clock_high_mhz=1980,
+                        sm_clock_max_mhz=1980, gpu_power_w=250, gpu_power_limit_w=700, throttle=("SW power cap",))
+    assert not copies.at_power_limit
+    assert copies.caveats() == ["NVML reported SW power cap at 250 W of 700 W, with the SM clock at its maximum"]
+    gemm = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, sm_clock_low_mhz=1515, sm_clock_high_mhz=1980,
+                      sm_clock_max_mhz=1980, gpu_power_w=695, gpu_power_limit_w=700, throttle=("SW power cap",))
+    assert gemm.at_power_limit and gemm.caveats()[0].startswith("the GPU ran at its power limit")
+
+
 def test_a_hot_gpu_is_told_to_cool_down_not_to_find_a_quieter_machine():
     hot = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, throttle=("HW thermal slowdown",))
     assert hot.advice() == "check the GPU's cooling before trusting it" and not hot.busy
