@@ -1,0 +1,167 @@
+"""Two training configurations raced epoch by epoch, and the keep-or-drop loop of an optimisation path.
+
+A speed-up measured from two runs one after the other shares no noise between them: a load spike during one decides
+the verdict. ``race`` trains two configurations side by side instead, an epoch of each in turn (A then B, B then A,
+...), each epoch timed on a clock that waits for the GPU; after every epoch it measures each model's test accuracy,
+untimed, so that each run has a time to a target accuracy (as the speedruns measure: training time only) beside its
+steady samples per second. The first epoch is start-up (workers, cuDNN's search, compilation, graph capture).
+
+``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
+beyond the noise and still reaches the target; a step dropped for its speed is tried once more at the end when a
+later step was kept (a change can pay only once another bottleneck is gone), unless a later kept step has set the same
+switch (retrying it would undo that step).
+
+The techniques themselves are written out in the lesson's cells; this module only decides and records.
+"""
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .comparison import Comparison
+from .conditions import Watch
+from .device import get_device
+from .timing import synced_clock
+
+nan = math.nan
+
+
+@dataclass(frozen=True)
+class Run:
+    """One side of a race: the seconds of each epoch (the first with start-up) and the test accuracy after it."""
+
+    label: str
+    seconds: tuple[float, ...]
+    accuracy: tuple[float, ...]
+    samples_per_epoch: int
+
+    @property
+    def steady_s(self) -> float:
+        """The median epoch after the first."""
+        return statistics.median(self.seconds[1:]) if len(self.seconds) > 1 else self.seconds[0]
+
+    @property
+    def startup_s(self) -> float:
+        """How much longer the first epoch took than a steady one."""
+        return max(self.seconds[0] - self.steady_s, 0.0)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_epoch / self.steady_s
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.accuracy[-1]
+
+    def epochs_to(self, target: float) -> int | None:
+        """The first epoch (1-based) after which the accuracy reached ``target``; None if none did."""
+        return next((i + 1 for i, a in enumerate(self.accuracy) if a >= target), None)
+
+    def time_to(self, target: float) -> float:
+        """Training seconds (start-up included, evaluation not) until the accuracy first reached ``target``; NaN if
+        it never did."""
+        epochs = self.epochs_to(target)
+        return sum(self.seconds[:epochs]) if epochs else nan
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two runs raced side by side, and the candidate's steady speed-up over the baseline (``comparison``)."""
+
+    comparison: Comparison
+    baseline: Run
+    candidate: Run
+
+
+def race(baseline, candidate, *, epochs: int, samples_per_epoch: int, labels=("baseline", "candidate"),
+         evaluate: tuple[Callable[[], float], Callable[[], float]] | None = None, device=None) -> Race:
+    """Train ``baseline`` and ``candidate`` (iterators: ``next()`` trains one epoch) ``epochs`` epochs each, in
+    alternating order, each epoch timed on a clock that waits for the GPU; after each epoch, ``evaluate[i]()`` (the
+    test accuracy of that side's model) is called outside the timing. The comparison's pairs are the epochs after
+    the first (start-up), and it carries the machine's state over the race."""
+    if epochs < 2:
+        raise ValueError(f"a race needs at least 2 epochs (the first is start-up), got {epochs!r}")
+    device = get_device(device)
+    sides, seconds, accuracy = (baseline, candidate), ([], []), ([], [])
+    with Watch(device) as watch:
+        for epoch in range(epochs):
+            for which in (0, 1) if epoch % 2 == 0 else (1, 0):
+                start = synced_clock(device)
+                next(sides[which])
+                seconds[which].append(synced_clock(device) - start)
+                accuracy[which].append(evaluate[which]() if evaluate else nan)
+    runs = [Run(label, tuple(s), tuple(a), samples_per_epoch) for label, s, a in zip(labels, seconds, accuracy)]
+    comparison = Comparison.of(runs[0].seconds[1:], runs[1].seconds[1:], labels=labels, conditions=watch.conditions)
+    return Race(comparison, *runs)
+
+
+KEPT, SLOWER_HERE, WITHIN_NOISE, MISSED_TARGET = "kept", "slower here", "within noise", "missed the target"
+
+
+@dataclass
+class Path:
+    """The keep-or-drop loop of an optimisation waterfall.
+
+    ``run(current, candidate)`` races two configurations, ``(name, options)`` each, and returns a ``Race``; a step is
+    kept when the candidate is faster beyond the noise and reaches ``target`` accuracy by its last epoch. ``rows``
+    holds one row per step (and per retry), ``current`` the configuration kept so far."""
+
+    run: Callable[[tuple, tuple], Race]
+    target: float
+    current: tuple = ("baseline", {})
+    rows: list = field(default_factory=list)
+    _dropped: list = field(default_factory=list)  # (name, options, kept steps since): steps dropped for their speed
+    _set_by: dict = field(default_factory=dict)  # option -> the kept step that set it
+
+    def step(self, name: str, options: dict, not_here: str | None = None) -> dict:
+        """Race ``name`` (the kept configuration with ``options`` switched on) against the kept configuration;
+        ``not_here`` names why it cannot run on this machine (the row says so, nothing runs)."""
+        if not_here:
+            return self._add({"step": name, "kept": False, "note": not_here})
+        row = self._try(name, options)
+        if row["note"] in (SLOWER_HERE, WITHIN_NOISE):
+            self._dropped.append((name, options, len(self._kept_names())))
+        return row
+
+    def again(self) -> list[dict]:
+        """Each step dropped for its speed, tried once more where a step was kept after it and no kept step has set
+        the same switch since (retrying would undo it)."""
+        rows = []
+        for name, options, kept_before in self._dropped:
+            later = self._kept_names()[kept_before:]
+            undone = {key: self._set_by[key] for key in options if self._set_by.get(key) in later}
+            if not later:
+                continue
+            if undone:
+                rows.append(self._add({"step": f"{name} (again)", "kept": False,
+                                       "note": f"not retried: {', '.join(sorted(set(undone.values())))} set "
+                                               f"{', '.join(sorted(undone))} since"}))
+                continue
+            rows.append(self._try(f"{name} (again)", options))
+        return rows
+
+    def _try(self, name: str, options: dict) -> dict:
+        candidate = (name, {**self.current[1], **options})
+        raced = self.run(self.current, candidate)
+        c, run = raced.comparison, raced.candidate
+        reached = run.final_accuracy >= self.target
+        kept = c.verdict == "faster" and reached
+        note = KEPT if kept else MISSED_TARGET if not reached else WITHIN_NOISE if c.verdict == "within noise" \
+            else SLOWER_HERE
+        low, high = c.interval
+        row = {"step": name, "samples_per_s": run.samples_per_s, "vs_previous": c.speedup, "low": low, "high": high,
+               "startup_s": run.startup_s, "time_to_target_s": run.time_to(self.target),
+               "accuracy": run.final_accuracy, "kept": kept, "verdict": c.verdict, "note": note,
+               "caveat": "; ".join(c.caveats)}
+        if kept:
+            self.current = candidate
+            self._set_by.update(dict.fromkeys(options, name))
+        return self._add(row)
+
+    def _kept_names(self) -> list[str]:
+        return [r["step"] for r in self.rows if r.get("kept")]
+
+    def _add(self, row: dict) -> dict:
+        self.rows.append(row)
+        return row
