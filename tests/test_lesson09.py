@@ -6,7 +6,7 @@ import nbformat
 import pytest
 import torch
 
-from gpulab import text
+from gpulab import datasheets, flops, text
 from gpulab.check import ____
 from gpulab.questions import lesson09
 
@@ -124,6 +124,9 @@ def heads_multiply(n_layer, n_head, n_embd, seq_len, vocab_size):
     return 6 * params(n_layer, n_embd, vocab_size) + 12 * n_layer * n_embd * seq_len * n_head
 
 
+TWO_NUMBERS = torch.full((2,), 1e9)  # made before the check: no tensor operation runs inside the answer
+
+
 def per_sequence(n_layer, n_head, n_embd, seq_len, vocab_size):
     return seq_len * per_token_from_the_rule(n_layer, n_head, n_embd, seq_len, vocab_size)
 
@@ -133,8 +136,16 @@ def counts_with_flop_counter_mode(n_layer, n_head, n_embd, seq_len, vocab_size):
     return lesson09.counted_flops_per_token.__wrapped__(n_layer, n_head, n_embd, seq_len, vocab_size)
 
 
-@pytest.mark.parametrize("answer", [lambda: right(lesson09.q1, "flops_per_token"), lambda: per_token_from_the_rule],
-                         ids=["shown", "rule-of-thumb"])
+def as_a_tensor(n_layer, n_head, n_embd, seq_len, vocab_size):
+    """Right, returned as a 0-d tensor: arithmetic on single numbers is still working it out on paper."""
+    weights = torch.tensor(n_layer * 12 * n_embd**2 + n_embd * vocab_size, dtype=torch.float64)
+    return 3 * (2 * weights + 4 * n_layer * seq_len * n_embd)
+
+
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q1, "flops_per_token"), lambda: per_token_from_the_rule,
+                                    lambda: as_a_tensor,
+                                    lambda: lambda *cfg: torch.tensor(per_token_from_the_rule(*cfg))],
+                         ids=["shown", "rule-of-thumb", "0-d tensor arithmetic", "torch.tensor(value)"])
 def test_q1_accepts_right_answers(answer):
     lesson09.q1.check(answer())
     assert lesson09.q1.last.status == "correct", lesson09.q1.last.message
@@ -151,6 +162,7 @@ def test_q1_accepts_right_answers(answer):
     (per_sequence, "per sequence"),
     (counts_with_flop_counter_mode, "on paper"),
     (lambda *cfg: "6N", "return a number"),
+    (lambda *cfg: TWO_NUMBERS, "return a number"),
     (42, "pass your function itself"),
 ])
 def test_q1_rejects_plausible_wrong_answers(wrong, says):
@@ -159,56 +171,92 @@ def test_q1_rejects_plausible_wrong_answers(wrong, says):
     assert says in lesson09.q1.last.message, lesson09.q1.last.message
 
 
-# ----- q2: MFU against the right ceiling -----------------------------------------------------------------------------
+# ----- q2: MFU against the right peak ---------------------------------------------------------------------------------
 
-MEASURED = (2.4e9, 0.03, {"fp32": 0.09, "bf16": 0.003})  # a CPU's step and ceilings
+H100_PEAKS = dict(datasheets.SHEETS["H100 SXM"].tflops)
+MEASURED = (2.4e9, 0.03, {})  # a CPU's step: no datasheet peaks, so only the hand-made steps are checked
+ON_AN_H100 = (2.0e13, 0.12, H100_PEAKS)  # a step on an H100, with its dense peaks
 
 
-def mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
-    """Unusual but right: a table from the dtype to the precision."""
+@pytest.fixture
+def on_an_h100(monkeypatch):
+    """The check sees an H100 SXM as this machine's card (the step itself is the test's)."""
+    monkeypatch.setattr(lesson09, "_device_peaks", lambda: dict(H100_PEAKS))
+
+
+def precision_of(autocast_dtype, tf32, peaks):
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    precision = names.get(autocast_dtype) or ("tf32" if tf32 and "tf32" in ceilings_tflops else "fp32")
-    return flops_per_step / seconds_per_step / 1e12 / ceilings_tflops[precision]
+    return names.get(autocast_dtype) or ("tf32" if tf32 and "tf32" in peaks else "fp32")
 
 
-def tf32_whenever_it_is_on(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+def mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
+    """Unusual but right: a table from the dtype to the precision."""
+    return flops_per_step / seconds_per_step / 1e12 / peaks_tflops[precision_of(autocast_dtype, tf32, peaks_tflops)]
+
+
+def tf32_whenever_it_is_on(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
     """torchtitan #668: a bf16 run divided by the TF32 peak."""
-    if tf32 and "tf32" in ceilings_tflops:
-        return flops_per_step / seconds_per_step / (ceilings_tflops["tf32"] * 1e12)
-    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops)
+    if tf32 and "tf32" in peaks_tflops:
+        return flops_per_step / seconds_per_step / (peaks_tflops["tf32"] * 1e12)
+    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops)
+
+
+def tf32_taken_for_granted(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
+    """TF32 whenever the switch is on, on a card without TF32 too (a T4)."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    precision = names.get(autocast_dtype) or ("tf32" if tf32 else "fp32")
+    return flops_per_step / seconds_per_step / (peaks_tflops[precision] * 1e12)
+
+
+def an_h100s_peaks_on_every_card(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
+    """One card's datasheet constants, whatever card the step ran on."""
+    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, H100_PEAKS)
+
+
+def sparse_peak(*args):
+    return mfu_by_lookup(*args) / 2
 
 
 def as_percentage(*args):
     return 100 * mfu_by_lookup(*args)
 
 
-def tflops_not_scaled(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
-    return mfu_by_lookup(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops) * 1e12
+def tflops_not_scaled(*args):
+    return mfu_by_lookup(*args) * 1e12
 
 
-def fastest_ceiling(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
-    return flops_per_step / seconds_per_step / (max(ceilings_tflops.values()) * 1e12)
+def fastest_peak(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
+    return flops_per_step / seconds_per_step / (max(peaks_tflops.values()) * 1e12)
 
 
-def ignores_autocast(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
-    return mfu_by_lookup(flops_per_step, seconds_per_step, None, tf32, ceilings_tflops)
+def ignores_autocast(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
+    return mfu_by_lookup(flops_per_step, seconds_per_step, None, tf32, peaks_tflops)
 
 
 @pytest.mark.parametrize("answer", [lambda: right(lesson09.q2, "step_mfu"), lambda: mfu_by_lookup],
                          ids=["shown", "lookup"])
-def test_q2_accepts_right_answers_on_hand_made_and_measured_steps(answer):
+def test_q2_accepts_right_answers_on_hand_made_steps_and_a_cpus(answer):
     lesson09.q2.check(answer(), *MEASURED)
     assert lesson09.q2.last.status == "correct", lesson09.q2.last.message
-    assert "on yours" in lesson09.q2.last.message
+    assert "no vendor's datasheet peak" in lesson09.q2.last.message
     lesson09.q2.check(answer())
     assert lesson09.q2.last.status == "correct"
 
 
+def test_q2_checks_the_learners_own_step_against_this_cards_dense_peak(on_an_h100):
+    lesson09.q2.check(right(lesson09.q2, "step_mfu"), *ON_AN_H100)
+    assert lesson09.q2.last.status == "correct", lesson09.q2.last.message
+    assert "on yours" in lesson09.q2.last.message and "dense fp32 peak" in lesson09.q2.last.message
+
+
 @pytest.mark.parametrize("wrong, says", [
-    (tf32_whenever_it_is_on, "TF32 ceiling"),
+    (tf32_whenever_it_is_on, "TF32 peak"),
+    (tf32_taken_for_granted, "'tf32' peak the T4 does not have"),
+    (an_h100s_peaks_on_every_card, "another card's"),
+    (sparse_peak, "'with sparsity'"),
     (as_percentage, "percentage"),
     (tflops_not_scaled, "multiply by 1e12"),
-    (fastest_ceiling, "fastest ceiling"),
+    (fastest_peak, "fastest peak"),
     (ignores_autocast, "under autocast the matmuls run in bf16"),
     (lambda *args: None, "as a fraction"),
 ])
@@ -218,17 +266,63 @@ def test_q2_rejects_plausible_wrong_answers(wrong, says):
     assert says in lesson09.q2.last.message, lesson09.q2.last.message
 
 
-def test_q2_needs_the_measured_ceilings_as_a_dict():
-    lesson09.q2.check(mfu_by_lookup, 2.4e9, 0.03, [0.09])
-    assert lesson09.q2.last.status == "wrong" and "dict of TFLOP/s" in lesson09.q2.last.message
+@pytest.mark.parametrize("peaks, says", [
+    ([67.0], "as a dict of TFLOP/s"),
+    ({"fp32": "67"}, "positive numbers of TFLOP/s"),
+    ({"fp32": None}, "positive numbers of TFLOP/s"),
+    ({p: flops.Ceiling(p, 0.9 * t) for p, t in H100_PEAKS.items()}, "measured ceilings"),
+    ({p: 2 * t for p, t in H100_PEAKS.items()}, "'with sparsity' figures"),
+    (dict(datasheets.SHEETS["A100 SXM 80GB"].tflops), "not this card's dense datasheet peaks"),
+])
+def test_q2_says_what_is_wrong_with_the_peaks_passed_in_never_blaming_the_learners_code(on_an_h100, peaks, says):
+    """The check's own conversions never surface as "your code raised": a Ceiling, a string, None, another card's
+    or a sparse figure each get their own message."""
+    lesson09.q2.check(right(lesson09.q2, "step_mfu"), 2.0e13, 0.12, peaks)
+    assert lesson09.q2.last.status == "wrong"
+    assert says in lesson09.q2.last.message and "your code raised" not in lesson09.q2.last.message, \
+        lesson09.q2.last.message
+
+
+def test_q2_on_a_cpu_refuses_another_cards_peaks():
+    lesson09.q2.check(right(lesson09.q2, "step_mfu"), 2.4e9, 0.03, H100_PEAKS)
+    assert lesson09.q2.last.status == "wrong" and "no datasheet lists this device" in lesson09.q2.last.message
 
 
 # ----- q3: a graph break found and fixed ----------------------------------------------------------------------------------
 
+def scaled_by_fmin(x, w1, w2, limit=4.0):
+    """Unusual but right: the scale as a factor capped at 1 by torch.fmin, which ignores a NaN (as scaled_mlp's
+    `peak > limit` is False for one)."""
+    h = x @ w1
+    return torch.relu(h * torch.fmin(limit / h.abs().amax(), torch.ones(()))) @ w2
+
+
 def scaled_by_clamp(x, w1, w2, limit=4.0):
-    """Unusual but right: the scale as a clamped factor."""
+    """Right on ordinary inputs, but a clamp of limit / NaN is NaN: one NaN in the input spreads to every row."""
     h = x @ w1
     return torch.relu(h * torch.clamp(limit / h.abs().amax(), max=1.0)) @ w2
+
+
+def scaled_by_a_mask(x, w1, w2, limit=4.0):
+    """Right on ordinary inputs, but on an all-zero input 0 × (limit / 0) = 0 × inf is NaN."""
+    h = x @ w1
+    peak = h.abs().amax()
+    over = (peak > limit).float()
+    return torch.relu(over * h * (limit / peak) + (1 - over) * h) @ w2
+
+
+def compiled_path_differs(x, w1, w2, limit=4.0):
+    """Right eagerly; under torch.compile it drops the scaling (no break, but another computation)."""
+    if torch.compiler.is_compiling():
+        return torch.relu(x @ w1) @ w2
+    return lesson09.scaled_mlp(x, w1, w2, limit)
+
+
+def item_kept(x, w1, w2, limit=4.0):
+    """.item() kept, which capture_scalar_outputs=True puts in the graph: the number still goes to Python."""
+    h = x @ w1
+    factor = torch.full((), limit) / h.abs().max().item()
+    return torch.relu(torch.where(factor < 1, h * factor, h)) @ w2
 
 
 def branch_dropped(x, w1, w2, limit=4.0):
@@ -258,8 +352,8 @@ def values_clamped(x, w1, w2, limit=4.0):
     return torch.relu(torch.clamp(x @ w1, -limit, limit)) @ w2
 
 
-@pytest.mark.parametrize("answer", [lambda: right(lesson09.q3, "scaled_mlp_fixed"), lambda: scaled_by_clamp],
-                         ids=["shown", "clamp"])
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q3, "scaled_mlp_fixed"), lambda: scaled_by_fmin],
+                         ids=["shown", "fmin"])
 def test_q3_accepts_right_answers(answer):
     lesson09.q3.check(answer())
     assert lesson09.q3.last.status == "correct", lesson09.q3.last.message
@@ -272,12 +366,24 @@ def test_q3_accepts_right_answers(answer):
     (always_scaled, "stay within the limit"),
     (largest_value_not_magnitude, "past the limit"),
     (values_clamped, "computes something else"),
+    (scaled_by_clamp, "on an input with one NaN"),
+    (scaled_by_a_mask, "on an all-zero input"),
+    (compiled_path_differs, "under torch.compile your function computes something else"),
     (lambda x, w1, w2, limit=4.0: (x @ w1).tolist(), "return the MLP's output"),
 ])
 def test_q3_rejects_plausible_wrong_answers(wrong, says):
     lesson09.q3.check(wrong)
     assert lesson09.q3.last.status == "wrong"
     assert says in lesson09.q3.last.message, lesson09.q3.last.message
+
+
+def test_q3_rejects_item_kept_under_capture_scalar_outputs():
+    """A learner who set capture_scalar_outputs=True sees no break from .item(); the check runs Dynamo's default."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        lesson09.q3.check(item_kept)
+        assert torch._dynamo.config.capture_scalar_outputs  # the learner's setting is left as it was
+    assert lesson09.q3.last.status == "wrong"
+    assert "capture_scalar_outputs=True only hides the .item() break" in lesson09.q3.last.message
 
 
 # ----- q4: which attention backend ran ------------------------------------------------------------------------------------

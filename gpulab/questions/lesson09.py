@@ -1,5 +1,6 @@
-"""Lesson 09, transformers: the FLOPs per token of a GPT, the MFU of a measured step against the right ceiling, a
-graph break found and fixed, and which attention backend a profile proves ran.
+"""Lesson 09, transformers: the FLOPs per token of a GPT, the MFU of a measured step against the right peak (the card's
+dense datasheet peak of the precision it ran in), a graph break found and fixed, and which attention backend a
+profile proves ran.
 
 None of these checks times the learner's code: each compares what the learner's function returns with what torch
 itself says (FlopCounterMode, torch._dynamo.explain, the profiler under a forced backend), computed after the
@@ -16,10 +17,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from .. import flops, text
+from .. import datasheets, flops, text
 from ..check import Question, Wrong
-from ..device import get_device, sync
+from ..device import device_info, get_device, sync
 
 # ----- q1: FLOPs per token of a GPT --------------------------------------------------------------------------------
 
@@ -69,15 +71,19 @@ def _mistakes(n_layer, n_head, n_embd, seq_len, vocab_size) -> dict[str, float]:
 
 
 class _TensorOperations(TorchDispatchMode):
-    """Counts the tensor operations run inside it (a model built and counted inside the learner's function)."""
+    """Counts the tensor operations run inside it on tensors of more than one number: a model's weights, a batch (a
+    model built and counted inside the learner's function). Arithmetic on single numbers, such as returning
+    ``torch.tensor(value)``, is working it out on paper and is not counted."""
 
     def __init__(self):
         super().__init__()
         self.ran = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ran += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.numel() > 1 for t in tree_leaves((args, kwargs, out))):
+            self.ran += 1
+        return out
 
 
 def _check_flops_per_token(flops_per_token) -> str:
@@ -94,8 +100,9 @@ def _check_flops_per_token(flops_per_token) -> str:
         if operations.ran:
             raise Wrong(f"{call} ran {operations.ran} tensor operations: work it out on paper, from the configuration "
                         "(no model, no FlopCounterMode: the check compares your formula with FlopCounterMode's count)")
-        if isinstance(got, bool) or not isinstance(got, (numbers.Real, torch.Tensor)):
-            raise Wrong(f"{call} returned {got!r}: return a number of FLOPs")
+        if isinstance(got, bool) or not isinstance(got, (numbers.Real, torch.Tensor)) or (
+                isinstance(got, torch.Tensor) and got.numel() != 1):
+            raise Wrong(f"{call} returned {got!r:.80}: return a number of FLOPs")
         got = float(got)
         expected = counted_flops_per_token(*cfg)
         if abs(got - expected) <= TOLERANCE * expected:
@@ -112,73 +119,117 @@ def _check_flops_per_token(flops_per_token) -> str:
 
 # ----- q2: the MFU of a measured step ---------------------------------------------------------------------------------
 
-# (flops per step, seconds per step, autocast dtype, TF32 switch, ceilings in TFLOP/s): a bf16 step with TF32 on (the
-# bf16 ceiling, not TF32's), fp32 steps with and without TF32, an fp16 step on a GPU without bf16 or TF32.
-_H100_LIKE = {"fp32": 51.0, "tf32": 378.0, "fp16": 760.0, "bf16": 740.0}
-_T4_LIKE = {"fp32": 7.5, "fp16": 45.0}
+# (flops per step, seconds per step, autocast dtype, TF32 switch, card): each divided by that card's dense datasheet
+# peak of the precision the step ran in. A bf16 step with TF32 on (bf16's peak, not TF32's), fp32 steps with TF32 on
+# and off, an fp16 step on a T4, an fp32 step on a T4 with the TF32 switch on (a T4 has no TF32), a bf16 step on an L4.
 _STEPS = [
-    (3.0e14, 0.9, torch.bfloat16, True, _H100_LIKE),
-    (3.0e14, 2.1, None, True, _H100_LIKE),
-    (3.0e14, 11.0, None, False, _H100_LIKE),
-    (1.2e13, 0.6, torch.float16, False, _T4_LIKE),
+    (3.0e14, 0.9, torch.bfloat16, True, "H100 SXM"),
+    (3.0e14, 2.1, None, True, "H100 SXM"),
+    (3.0e14, 40.0, None, False, "A100 SXM 80GB"),
+    (1.2e13, 0.6, torch.float16, False, "T4"),
+    (1.2e13, 4.0, None, True, "T4"),
+    (1.2e13, 0.3, torch.bfloat16, True, "L4"),
 ]
 
 
-def _precision(autocast_dtype, tf32: bool, ceilings: dict) -> str:
+def _precision(autocast_dtype, tf32: bool, peaks: dict) -> str:
     if autocast_dtype is not None and autocast_dtype != torch.float32:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast_dtype]
-    return "tf32" if tf32 and "tf32" in ceilings else "fp32"
+    return "tf32" if tf32 and "tf32" in peaks else "fp32"
 
 
-def expected_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops) -> float:
-    precision = _precision(autocast_dtype, tf32, ceilings_tflops)
-    return flops_per_step / seconds_per_step / (ceilings_tflops[precision] * 1e12)
+def expected_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops) -> float:
+    """The step's model FLOP/s over the card's dense peak of the precision its matmuls ran in."""
+    precision = _precision(autocast_dtype, tf32, peaks_tflops)
+    return flops_per_step / seconds_per_step / (peaks_tflops[precision] * 1e12)
 
 
-def _mfu_hint(got: float, case) -> str:
-    flops_per_step, seconds, autocast_dtype, tf32, ceilings = case
-    achieved = flops_per_step / seconds
-    right = expected_mfu(*case)
+def _mfu_hint(got: float, case, card: str) -> str:
+    flops_per_step, seconds, autocast_dtype, tf32, peaks = case
+    achieved = flops_per_step / seconds / 1e12
+    right, precision = expected_mfu(*case), _precision(autocast_dtype, tf32, peaks)
     if math.isclose(got, 100 * right, rel_tol=1e-3):
         return "That is a percentage: return a fraction (0.41, not 41)."
     if math.isclose(got, right * 1e12, rel_tol=1e-3):
-        return "The ceilings are in TFLOP/s: multiply by 1e12 before dividing FLOP/s by them."
-    for name, tflops in ceilings.items():
-        if math.isclose(got, achieved / (tflops * 1e12), rel_tol=1e-3):
+        return "The peaks are in TFLOP/s: multiply by 1e12 before dividing FLOP/s by them."
+    sparse = ("a 'with sparsity' figure, twice the dense one (for 2:4 sparse matrices training does not use): MFU "
+              "divides by the dense peak")
+    for name, tflops in peaks.items():
+        if name != precision and math.isclose(got, achieved / tflops, rel_tol=1e-3):
             if autocast_dtype is not None and name == "tf32":
-                return ("That divides by the TF32 ceiling: under autocast the matmuls run in "
-                        f"{_precision(autocast_dtype, tf32, ceilings)}, whatever the TF32 switch says (torchtitan #668)")
-            if name == max(ceilings, key=ceilings.get):
-                return "That divides by the fastest ceiling of all: divide by the ceiling of the precision the step ran in."
-            return f"That divides by the {name} ceiling; this step's matmuls ran in {_precision(*case[2:])}."
+                said = (f"That divides by the TF32 peak: under autocast the matmuls run in {precision}, whatever the "
+                        "TF32 switch says (torchtitan #668).")
+            elif name == max(peaks, key=peaks.get):
+                said = "That divides by the fastest peak of all: divide by the peak of the precision the step ran in."
+            else:
+                said = f"That divides by the {name} peak; this step's matmuls ran in {precision}."
+            twice = math.isclose(tflops, 2 * peaks[precision], rel_tol=1e-3)
+            return said + (f" (Or by {sparse}: the two read the same here.)" if twice else "")
+    if math.isclose(got, right / 2, rel_tol=1e-3):
+        return f"That divides by {sparse}."
+    for sheet in datasheets.SHEETS.values():
+        other = sheet.tflops.get(precision)
+        if sheet.name != card and other and other != peaks[precision] and math.isclose(got, achieved / other, rel_tol=1e-3):
+            return (f"That divides by the {sheet.name}'s {precision} peak, another card's (nanoGPT's 104 % divided an "
+                    f"H100 run by the A100's peak): divide by the peaks of the card the step ran on, the dict passed in.")
     return ""
 
 
-def _check_mfu(step_mfu, flops_per_step=None, seconds_per_step=None, ceilings_tflops=None) -> str:
+def _device_peaks() -> dict:
+    """The dense datasheet peaks of this machine's GPU ({} for a CPU or a card gpulab.datasheets does not list)."""
+    device = get_device()
+    sheet = datasheets.find(device_info(device).name) if device.type == "cuda" else None
+    return dict(sheet.tflops) if sheet else {}
+
+
+def _peaks_of_this_card(peaks_tflops) -> dict:
+    """The learner's own step's peaks as numbers, checked against this card's datasheet; Wrong where they are not."""
+    if not isinstance(peaks_tflops, dict):
+        raise Wrong("pass this card's dense peaks as a dict of TFLOP/s, e.g. dict(gpulab.datasheets.find(name).tflops) "
+                    "({} where the device has none)")
+    for p, value in peaks_tflops.items():
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, flops.Ceiling)) or not float(value) > 0:
+            raise Wrong(f"peaks_tflops[{p!r}] is {value!r:.60}: the peaks are positive numbers of TFLOP/s")
+    if any(isinstance(v, flops.Ceiling) for v in peaks_tflops.values()):
+        raise Wrong("those are measured ceilings (flops.Ceiling): MFU divides by the vendor's dense datasheet peak; "
+                    "the measured ceiling goes beside it, as 'of achievable'")
+    given, sheet = {p: float(v) for p, v in peaks_tflops.items()}, _device_peaks()
+    if given != sheet:
+        if sheet and all(math.isclose(given.get(p, 0.0), 2 * t) for p, t in sheet.items() if p != "fp32"):
+            raise Wrong("those are 'with sparsity' figures, twice the dense ones: pass this card's dense peaks")
+        raise Wrong(f"those are not this card's dense datasheet peaks ({sheet or 'none: no datasheet lists this device'}): "
+                    "MFU divides by the peak of the card the step ran on, from gpulab.datasheets")
+    return given
+
+
+def _check_mfu(step_mfu, flops_per_step=None, seconds_per_step=None, peaks_tflops=None) -> str:
     if not callable(step_mfu):
-        raise Wrong("pass your function itself: `q2.check(step_mfu, flops_per_step, seconds_per_step, ceilings_tflops)`")
-    cases = list(_STEPS)
-    if flops_per_step is not None:  # the learner's own measured step, in fp32 with TF32 as it was set
-        if not isinstance(ceilings_tflops, dict) or not ceilings_tflops:
-            raise Wrong("pass the measured ceilings as a dict of TFLOP/s, e.g. {p: c.tflops for p, c in "
-                        "flops.ceilings().items()}")
-        cases.append((float(flops_per_step), float(seconds_per_step), None, flops.tf32_enabled(),
-                      {p: float(c) for p, c in ceilings_tflops.items()}))
-    for case in cases:
-        flops_step, seconds, autocast_dtype, tf32, ceilings = case
+        raise Wrong("pass your function itself: `q2.check(step_mfu, flops_per_step, seconds_per_step, peaks_tflops)`")
+    cases = [(f, s, dtype, tf32, dict(datasheets.SHEETS[card].tflops), card) for f, s, dtype, tf32, card in _STEPS]
+    mine = _peaks_of_this_card(peaks_tflops) if flops_per_step is not None else {}
+    if mine:  # the learner's own measured step, in fp32 with TF32 as it was set, on this card
+        cases.append((float(flops_per_step), float(seconds_per_step), None, flops.tf32_enabled(), mine, "this card"))
+    for *case, card in cases:
+        flops_step, seconds, autocast_dtype, tf32, peaks = case
         dtype = str(autocast_dtype).removeprefix("torch.") if autocast_dtype is not None else None
-        call = f"step_mfu({flops_step:.3g}, {seconds:.3g}, {dtype}, tf32={tf32}, <{', '.join(ceilings)} ceilings>)"
-        got = step_mfu(flops_step, seconds, autocast_dtype, tf32, dict(ceilings))
+        call = f"step_mfu({flops_step:.3g}, {seconds:.3g}, {dtype}, tf32={tf32}, <the {card}'s peaks>)"
+        try:
+            got = step_mfu(flops_step, seconds, autocast_dtype, tf32, dict(peaks))
+        except KeyError as missing:
+            if missing.args and missing.args[0] in flops.PRECISIONS and missing.args[0] not in peaks:
+                raise Wrong(f"{call} looked up a {missing.args[0]!r} peak the {card} does not have: a GPU without TF32 "
+                            "(before Ampere, as a T4) runs fp32 matmuls in fp32 whatever the TF32 switch says") from None
+            raise
         if isinstance(got, bool) or not isinstance(got, (numbers.Real, torch.Tensor)):
-            raise Wrong(f"{call} returned {got!r}: return the MFU as a fraction")
+            raise Wrong(f"{call} returned {got!r:.60}: return the MFU as a fraction")
         got, right = float(got), expected_mfu(*case)
         if not math.isclose(got, right, rel_tol=1e-3):
-            raise Wrong(f"{call} = {got:.4g}; the MFU is {right:.4g}. " + _mfu_hint(got, case))
-    if flops_per_step is None:
-        return "right on every hand-made step."
-    mine = expected_mfu(*cases[-1])
-    return (f"right on the hand-made steps and on yours: {mine:.1%} of this machine's measured "
-            f"{_precision(*cases[-1][2:])} ceiling.")
+            raise Wrong(f"{call} = {got:.4g}; the MFU is {right:.4g}. " + _mfu_hint(got, case, card))
+    if not mine:
+        return ("right on every hand-made step. This device has no vendor's datasheet peak (no GPU, or one "
+                "gpulab.datasheets does not list): your own step has no MFU here, only 'of achievable'.")
+    return (f"right on the hand-made steps and on yours: {expected_mfu(*cases[-1][:5]):.2%} of this card's dense "
+            f"{_precision(*cases[-1][2:5])} peak.")
 
 
 # ----- q3: a graph break found and fixed ------------------------------------------------------------------------------
@@ -201,36 +252,76 @@ def _inputs(kind: str, seed: int):
     if kind == "negative":  # one strongly negative unit: the largest magnitude is not the largest value
         x = x.abs()
         w1[:, 0] = -5.0
+    if kind == "zero":  # all zero: the largest magnitude is 0, and limit / 0 is inf
+        x = torch.zeros_like(x)
+    if kind == "nan":  # one NaN in the input: its row's output is NaN, the others are as they were
+        x[3, 5] = math.nan
     return x, w1, w2
+
+
+_KINDS = (("small", 1), ("large", 2), ("negative", 3), ("large", 4), ("zero", 5), ("nan", 6))
+
+
+def _same(got, expected) -> bool:
+    return isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.allclose(
+        got, expected, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def _differs_on(kind: str, x, w1) -> str:
+    """What the inputs of ``kind`` ask of the function, in words."""
+    if kind == "zero":
+        return ("on an all-zero input (its largest magnitude is 0, so limit / peak is inf: the output must stay 0, not "
+                "NaN; arithmetic such as 0 × inf gives NaN where torch.where would pick the other branch)")
+    if kind == "nan":
+        return ("on an input with one NaN (scaled_mlp leaves the other rows as they are: its `peak > limit` is False "
+                "for a NaN peak; a clamp of limit / NaN is NaN and spreads to every row, torch.fmin or torch.where "
+                "do not)")
+    peak = (x @ w1).abs().max().item()
+    return (f"where the activations' largest magnitude ({peak:.3g}) is past the limit, so they must be scaled by "
+            "limit / peak" if peak > 4.0 else f"where the activations stay within the limit ({peak:.3g} ≤ 4), so "
+            "they must be left as they are")
 
 
 def _check_graph_break(scaled_mlp_fixed) -> str:
     if not callable(scaled_mlp_fixed):
         raise Wrong("pass your function itself: `q3.check(scaled_mlp_fixed)`")
-    for kind, seed in (("small", 1), ("large", 2), ("negative", 3), ("large", 4)):
+    for kind, seed in _KINDS:
         x, w1, w2 = _inputs(kind, seed)
         got = scaled_mlp_fixed(x.clone(), w1.clone(), w2.clone())
         expected = scaled_mlp(x, w1, w2)
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             raise Wrong(f"return the MLP's output, a tensor of shape {tuple(expected.shape)}, got {got!r:.80}")
-        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-            peak = (x @ w1).abs().max().item()
-            when = (f"where the activations' largest magnitude ({peak:.3g}) is past the limit, so they must be scaled "
-                    "by limit / peak" if peak > 4.0 else f"where the activations stay within the limit ({peak:.3g} ≤ 4), "
-                    "so they must be left as they are")
-            raise Wrong(f"your function computes something else than scaled_mlp on inputs {when}; keep what it computes, "
-                        "change only how (the branch becomes arithmetic on tensors)")
+        if not _same(got, expected):
+            raise Wrong(f"your function computes something else than scaled_mlp {_differs_on(kind, x, w1)}; keep what "
+                        "it computes, change only how (the branch becomes arithmetic on tensors)")
+    learner_setting = torch._dynamo.config.capture_scalar_outputs
     torch._dynamo.reset()
-    with warnings.catch_warnings():
+    # The default setting: capture_scalar_outputs=True puts .item() in the graph, but the number still goes to Python
+    # (on a GPU, a wait for it), which is what the question asks to remove.
+    with warnings.catch_warnings(), torch._dynamo.config.patch(capture_scalar_outputs=False):
         warnings.simplefilter("ignore")  # dynamo's own advice on stderr; the breaks are reported below
         explanation = torch._dynamo.explain(scaled_mlp_fixed)(*_inputs("large", 5))
+        torch._dynamo.reset()
+        if explanation.graph_break_count or explanation.graph_count != 1:
+            reasons = [r.reason.splitlines()[0] for r in explanation.break_reasons]
+            item = any("item()" in r for r in reasons)
+            raise Wrong(f"torch._dynamo.explain still finds {explanation.graph_count} graph(s) and "
+                        f"{explanation.graph_break_count} graph break(s) in your function "
+                        f"({'; '.join(dict.fromkeys(reasons)) or 'no graph'}). Keep the peak a tensor (no .item()) and "
+                        "replace the `if` on data by torch.where"
+                        + (". capture_scalar_outputs=True only hides the .item() break: the number still goes to "
+                           "Python, a wait for the GPU every call" if item and learner_setting else ""))
+        compiled = torch.compile(scaled_mlp_fixed, backend="eager", fullgraph=True)
+        for kind, seed in _KINDS:
+            x, w1, w2 = _inputs(kind, seed)
+            if not _same(compiled(x, w1, w2), scaled_mlp(x, w1, w2)):
+                torch._dynamo.reset()
+                raise Wrong(f"under torch.compile your function computes something else than it does eagerly "
+                            f"{_differs_on(kind, x, w1)}: the compiled path must compute what the eager one does (no "
+                            "branch on torch.compiler.is_compiling())")
     torch._dynamo.reset()
-    if explanation.graph_break_count or explanation.graph_count != 1:
-        reasons = "; ".join(dict.fromkeys(r.reason.splitlines()[0] for r in explanation.break_reasons)) or "no graph"
-        raise Wrong(f"torch._dynamo.explain still finds {explanation.graph_count} graph(s) and "
-                    f"{explanation.graph_break_count} graph break(s) in your function ({reasons}). Keep the peak a tensor "
-                    "(no .item()) and replace the `if` on data by torch.where or a clamp")
-    return "same results as scaled_mlp with and without scaling, in one graph: no .item(), no branch on data."
+    return ("same results as scaled_mlp with and without scaling, on all-zero and NaN inputs, eagerly and compiled, in "
+            "one graph: no .item(), no branch on data.")
 
 
 # ----- q4: which attention backend ran ---------------------------------------------------------------------------------
@@ -367,19 +458,20 @@ def flops_per_token(n_layer, n_head, n_embd, seq_len, vocab_size):
 )
 
 q2 = Question(
-    lesson="09", number=2, title="MFU against the right ceiling", checker=_check_mfu,
-    hint_text="Under autocast the matmuls run in its dtype (bf16 or fp16), whatever the TF32 switch says; without "
-              "autocast they run in TF32 when the switch is on and the GPU has TF32 (a 'tf32' ceiling exists), else in "
-              "fp32. MFU = flops_per_step / seconds_per_step / (that ceiling × 1e12), a fraction.",
+    lesson="09", number=2, title="MFU against the right peak", checker=_check_mfu,
+    hint_text="MFU divides by the card's dense datasheet peak of the precision the step's matmuls ran in. Under "
+              "autocast they run in its dtype (bf16 or fp16), whatever the TF32 switch says; without autocast in TF32 "
+              "when the switch is on and the card has TF32 (its peaks have a 'tf32' entry), else in fp32. MFU = "
+              "flops_per_step / seconds_per_step / (that peak × 1e12), a fraction.",
     solution_text="""
-def step_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, ceilings_tflops):
+def step_mfu(flops_per_step, seconds_per_step, autocast_dtype, tf32, peaks_tflops):
     if autocast_dtype == torch.bfloat16:
         precision = "bf16"
     elif autocast_dtype == torch.float16:
         precision = "fp16"
     else:
-        precision = "tf32" if tf32 and "tf32" in ceilings_tflops else "fp32"
-    return flops_per_step / seconds_per_step / (ceilings_tflops[precision] * 1e12)
+        precision = "tf32" if tf32 and "tf32" in peaks_tflops else "fp32"
+    return flops_per_step / seconds_per_step / (peaks_tflops[precision] * 1e12)
 """,
 )
 
@@ -387,7 +479,9 @@ q3 = Question(
     lesson="09", number=3, title="find and fix a graph break", checker=_check_graph_break,
     hint_text="`torch._dynamo.explain(scaled_mlp)(x, w1, w2)` lists the breaks: `.item()` and the `if` on its value. "
               "Keep the peak a tensor, `h.abs().amax()`, and write the branch as arithmetic: "
-              "`torch.where(peak > limit, h * (limit / peak), h)`.",
+              "`torch.where(peak > limit, h * (limit / peak), h)`. torch.where picks one branch per element, so the "
+              "other may hold an inf or a NaN (an all-zero input) without harm; a product with a 0/1 mask, or a clamp "
+              "of a NaN, would spread it.",
     solution_text="""
 def scaled_mlp_fixed(x, w1, w2, limit=4.0):
     h = x @ w1
