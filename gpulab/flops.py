@@ -403,18 +403,20 @@ class Utilisation:
 
     @property
     def impossible(self) -> bool:
-        """Above 100 % of the measured ceiling or of the datasheet peak: not a result."""
-        return self.hfu_of_achievable > 1.0 or self.hfu > 1.0
+        """Above 100 % of the measured ceiling or of the datasheet peak, in model or hardware FLOPs: not a result.
+        (Hardware FLOPs can be fewer than the model's: a causal kernel skips the masked half of attention.)"""
+        return any(share > 1.0 for share in (self.hfu_of_achievable, self.hfu, self.of_achievable, self.mfu))
 
     @property
     def warning(self) -> str:
         """What is wrong when the numbers are impossible ("" when they are not)."""
-        if self.hfu > 1.0:
-            return (f"{self.hardware_tflops:.3g} TFLOP/s is above the card's dense {self.precision} peak of "
+        rate = max(self.hardware_tflops, self.achieved_tflops)
+        if self.hfu > 1.0 or self.mfu > 1.0:
+            return (f"{rate:.3g} TFLOP/s is above the card's dense {self.precision} peak of "
                     f"{self.datasheet_tflops:g}: the FLOPs are over-counted, the peak is another card's or precision's, "
                     "or the step was timed without waiting for the GPU")
-        if self.hfu_of_achievable > 1.0:
-            return (f"{self.hardware_tflops:.3g} TFLOP/s is above the {self.precision} ceiling measured here "
+        if self.hfu_of_achievable > 1.0 or self.of_achievable > 1.0:
+            return (f"{rate:.3g} TFLOP/s is above the {self.precision} ceiling measured here "
                     f"({self.ceiling_tflops:.3g}): that ceiling was not this machine's best (measured while the "
                     "machine was busy?), so no share of it is shown")
         return ""
@@ -444,8 +446,9 @@ class Utilisation:
 
 
 def percent(share: float) -> str:
-    """A share as a percentage with three significant digits (41.2 %, 0.0283 %): a small model's MFU is not 0.0 %."""
-    return f"{share * 100:.3g} %"
+    """A share as a percentage with three significant digits (41.2 %, 0.0283 %): a small model's MFU is not 0.0 %;
+    "n/a" where it is unknown (NaN)."""
+    return f"{share * 100:.3g} %" if share == share else "n/a"
 
 
 def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Ceiling]", *, precision: str | None = None,
@@ -470,7 +473,7 @@ def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Cei
     if precision is not None and precision != ceiling.precision:
         raise ValueError(f"a {precision} step divided by the {ceiling.precision} ceiling: MFU divides by the ceiling of "
                          f"the precision the step ran in (flops.ceiling({precision!r}))")
-    ran = float(hardware_flops or model_flops) / seconds / 1e12
+    ran = max(float(hardware_flops or model_flops), float(model_flops)) / seconds / 1e12
     if ran > ceiling.tflops and ceiling.key is not None:  # the ceiling was not this machine's best
         ceiling = _measured_again(ceiling)
     return Utilisation(ceiling.precision, float(model_flops), float(seconds), ceiling.tflops,

@@ -61,7 +61,8 @@ PLANNED = {
     "06": estimate(3.5, "from its full-mode sizes (20-step profiles, six fixes compared, torch.compile, HTA)"),
     "07": estimate(3.0, "from its full-mode sizes (torchrun launches of gloo and NCCL ranks)"),
     "08": measured(246.1, "NVIDIA H200", H200_RUN, "python -m gpulab.record verify 08, alone on the GPU (main 7832b00)"),
-    "09": estimate(7.0, f"from its full-mode sizes; not done after 60 s on an NVIDIA H200 ({H200_RUN}, main 7832b00)"),
+    "09": estimate(3.0, "from its full-mode sizes after the 2026-11-27 resize (3 ceilings, a 60-step first run, the "
+                   "compiler steps last: two compiles); about 2.7 min on one H100"),
     "bench": estimate(0.5, "gpulab bench"),
 }
 # What each lesson's full mode is sized to: the whole course in about 15 minutes on one H100.

@@ -231,8 +231,16 @@ def test_mfu_divides_by_the_dense_datasheet_peak_and_of_achievable_by_the_measur
     assert "MFU 40.4 % (400 TFLOP/s of model FLOPs over the dense bf16 peak of 989.5)" in str(u)
     assert "50 % of achievable (the bf16 ceiling measured here, 800)" in str(u)
     assert flops.percent(0.0189 / 67) == "0.0282 %"  # a small model's MFU is not "0.0 %"
+    assert flops.percent(math.nan) == "n/a"
+
     row = u.row()
     assert row["mfu"] == pytest.approx(400 / 989.5) and row["of_achievable"] == pytest.approx(0.5)
+
+
+def test_model_flops_above_the_peak_are_impossible_even_where_the_kernels_ran_fewer():
+    """A causal fused attention kernel runs about half the square's FLOPs: HFU below MFU, and MFU may not exceed 1."""
+    u = flops.mfu(1.1 * 989.5e12, 1.0, CEILINGS["bf16"], hardware_flops=0.6 * 989.5e12)
+    assert u.hfu < 1 < u.mfu and u.impossible and "above the card's dense bf16 peak" in u.warning
 
 
 def test_a_bf16_step_is_divided_by_the_bf16_ceiling_not_tf32s():
