@@ -473,6 +473,7 @@ def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Cei
     if precision is not None and precision != ceiling.precision:
         raise ValueError(f"a {precision} step divided by the {ceiling.precision} ceiling: MFU divides by the ceiling of "
                          f"the precision the step ran in (flops.ceiling({precision!r}))")
+    ceiling = _MEASURED.get(ceiling.key, ceiling) if ceiling.key is not None else ceiling  # the best measured so far
     ran = max(float(hardware_flops or model_flops), float(model_flops)) / seconds / 1e12
     if ran > ceiling.tflops and ceiling.key is not None:  # the ceiling was not this machine's best
         ceiling = _measured_again(ceiling)

@@ -55,7 +55,8 @@ PLANNED = {
     "00": estimate(1.0, "its H100 rows (2026-11-22) span 7 s; plus kernel start and plots"),
     "01": estimate(3.0, "its H100 rows span 68 s; plus the CUDA C kernel's build (about a minute)"),
     "02": estimate(2.5, "its H100 rows span 52 s; plus ResNet-50 fed by 4 loader set-ups"),
-    "03": estimate(2.5, "its H100 rows span 9 s; plus the whole-card batch search and 5 convergence runs of 6 s"),
+    "03": estimate(1.6, "from its full-mode sizes and H100 rows: ceilings of 2 precisions ~17 s, the sweep ~10 s, 4 "
+                   "comparisons ~9 s, whole-card searches ~12 s, 6 convergence runs of 4 s ~31 s, start and figures ~15 s"),
     "04": estimate(2.0, "its H100 rows span 33 s; plus 300 scaler steps"),
     "05": estimate(2.5, "from its full-mode sizes (4096-wide MLP steps, checkpointing 1..16 segments, an OOM)"),
     "06": estimate(3.5, "from its full-mode sizes (20-step profiles, six fixes compared, torch.compile, HTA)"),
