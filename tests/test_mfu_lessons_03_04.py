@@ -543,6 +543,6 @@ def test_lesson_04s_training_rows_carry_both_denominators_and_their_own_gpu_stat
     for p in ALL:
         line = next(line for line in printed.splitlines() if line.startswith(f"  {p}: "))
         mfu, achievable = per_s(step_flops, bench[p], SHEET[p]), per_s(step_flops, bench[p], CEILINGS_TFLOPS[p])
-        assert f"MFU {mfu:.1%} (" in line and f"over the dense {p} peak of {SHEET[p]:g})" in line
-        assert f"{achievable:.1%} of achievable (the {p} ceiling measured here" in line
+        assert f"MFU {flops.percent(mfu)} (" in line and f"over the dense {p} peak of {SHEET[p]:g})" in line
+        assert f"{flops.percent(achievable)} of achievable (the {p} ceiling measured here" in line
         assert line.endswith(f"{per_s(step_flops, bench[p], ONE_PEAK[1]) * 100:.3g} % against the fp16 peak")
