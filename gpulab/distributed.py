@@ -261,6 +261,7 @@ class WorkSize:
     rounds: int  # interleaved rounds of a timing: the pairs of each comparison
     calls: int  # steps per timed block
     max_bytes: int  # the largest collective timed
+    iters: int = 100  # the most calls of a collective per timed round (the smallest messages; fewer for larger ones)
 
     def args(self) -> list:
         """The command-line arguments of lesson 07's DDP script for these sizes."""
@@ -269,10 +270,14 @@ class WorkSize:
 
 CPU_WORK = WorkSize(width=512, batch=64, rounds=8, calls=2, max_bytes=2**24)
 GPU_WORK = WorkSize(width=4096, batch=256, rounds=16, calls=5, max_bytes=2**30)
+# Quick mode (CI, a 2-core CPU): the CPU's sizes, timed in the fewest pairs whose 90 % interval can still support a
+# verdict (5), one step per block, and at most 20 calls per round of a collective.
+QUICK_WORK = WorkSize(width=512, batch=64, rounds=5, calls=1, max_bytes=2**24, iters=20)
 
 
 def work_size(device) -> WorkSize:
-    """The work of ranks on ``device``: GPU sizes for CUDA ranks in full mode, CPU sizes otherwise.
+    """The work of ranks on ``device``: GPU sizes for CUDA ranks in full mode, CPU sizes otherwise, and in quick mode
+    the CPU's sizes timed in fewer, shorter blocks.
 
     Sized by the backend, not by the machine: gloo processes on the CPU get CPU-sized work in full mode too (on a
     one-GPU machine the multi-rank runs are gloo on the CPU, and a GPU's sizes there take longer than a launch's
@@ -282,7 +287,9 @@ def work_size(device) -> WorkSize:
     kind = kind.split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"work_size is for 'cpu' (gloo) or 'cuda' (NCCL) ranks; got {device!r}")
-    return GPU_WORK if kind == "cuda" and not quick_mode() else CPU_WORK
+    if quick_mode():
+        return QUICK_WORK
+    return GPU_WORK if kind == "cuda" else CPU_WORK
 
 
 def interleaved(fns: dict, *, rounds: int, calls: int = 1, warmup: int = 1, before=None, sync=None,

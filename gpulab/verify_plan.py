@@ -52,15 +52,16 @@ PLANNED = {
     "smoke": measured(156, "NVIDIA H200", H200_RUN, "nine lessons in quick mode at once 119 s, then 05 alone 37 s "
                       "(main 7832b00)"),
     "tests": estimate(2.0, "the ~18 GPU-marked tests in one pytest process, quick sizes"),
-    "00": estimate(1.0, "its H100 rows (2026-11-22) span 7 s; plus kernel start and plots"),
-    "01": estimate(3.0, "its H100 rows span 68 s; plus the CUDA C kernel's build (about a minute)"),
-    "02": estimate(2.5, "its H100 rows span 52 s; plus ResNet-50 fed by 4 loader set-ups"),
+    "00": estimate(0.5, "matmul sweep ~8 s (its H100 rows span 7 s), 9 CPU-vs-GPU comparisons, a thread comparison"),
+    "01": estimate(1.7, "10 fresh processes for CUDA_LAUNCH_BLOCKING ~27 s, the CUDA C build ~30 s, the rest ~45 s"),
+    "02": estimate(1.8, "ResNet-50 at 128 px fed by 5 loader set-ups ~31 s, epoch comparisons ~35 s"),
     "03": estimate(1.6, "from its full-mode sizes and H100 rows: ceilings of 2 precisions ~17 s, the sweep ~10 s, 4 "
                    "comparisons ~9 s, whole-card searches ~12 s, 6 convergence runs of 4 s ~31 s, start and figures ~15 s"),
-    "04": estimate(2.0, "its H100 rows span 33 s; plus 300 scaler steps"),
-    "05": estimate(2.5, "from its full-mode sizes (4096-wide MLP steps, checkpointing 1..16 segments, an OOM)"),
-    "06": estimate(3.5, "from its full-mode sizes (20-step profiles, six fixes compared, torch.compile, HTA)"),
-    "07": estimate(3.0, "from its full-mode sizes (torchrun launches of gloo and NCCL ranks)"),
+    "04": estimate(1.4, "one ceiling search per precision ~31 s, 4 x 400 training steps ~18 s, comparisons at 1 s"),
+    "05": estimate(1.0, "13 step comparisons at 1 s, 2 fragmentation processes; quick mode alone on the H200 took 37 s"),
+    "06": estimate(1.8, "the slow loop (batch 128, 6 steps) ~30 s in all, 3 torch.compile runs ~20 s, profiles and HTA "
+                   "~25 s"),
+    "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
     "08": measured(246.1, "NVIDIA H200", H200_RUN, "python -m gpulab.record verify 08, alone on the GPU (main 7832b00)"),
     "09": estimate(3.0, "from its full-mode sizes after the 2026-11-27 resize (3 ceilings, a 60-step first run, the "
                    "compiler steps last: two compiles); about 2.7 min on one H100"),

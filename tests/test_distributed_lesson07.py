@@ -101,6 +101,43 @@ def test_on_several_gpus_in_full_mode_the_nccl_runs_get_gpu_sized_work(machine):
     assert int(argument(ddp, "--width")) == distributed.GPU_WORK.width and ddp["nproc"] == 4
 
 
+def test_in_quick_mode_the_launches_time_the_cpus_sizes_in_fewer_shorter_rounds(machine):
+    """CI's quick mode (no GPU): the same model and messages as a CPU's full run, the collectives called at most
+    QUICK_WORK.iters times per round and the DDP configurations timed in QUICK_WORK's rounds and calls."""
+    quick = distributed.QUICK_WORK
+    scope = machine(0)
+    assert scope["size"] == quick
+    (collectives,) = launches(scope, COLLECTIVES)
+    assert int(argument(collectives, "--max-bytes")) == quick.max_bytes
+    assert int(argument(collectives, "--max-iters")) == quick.iters < distributed.CPU_WORK.iters
+    (ddp,) = launches(scope, DDP_LAUNCH)
+    assert [int(argument(ddp, name)) for name in ("--rounds", "--calls")] == [quick.rounds, quick.calls]
+
+
+def test_the_collectives_script_calls_each_collective_at_most_max_iters_times_per_round(monkeypatch):
+    """The script's calls per timed round: --max-iters for the smallest messages, fewer (at least 2) for larger ones,
+    the same on every rank."""
+    calls = []
+
+    def fake_all_reduce(tensor, *args, **kwargs):
+        calls.append(tensor.numel() * tensor.element_size())
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, x: (_ for _ in ()).throw(Stop()), raising=False)
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, x: (_ for _ in ()).throw(Stop()), raising=False)
+    monkeypatch.setattr("sys.argv", ["collectives.py", "--max-bytes", str(2**20), "--max-iters", "7"])
+    with pytest.raises(Stop):  # stopped at the first all-gather: the all-reduces are done
+        exec(cell("0f7b1d52"), {"__name__": "__main__"})
+    per_size = {nbytes: calls.count(nbytes) for nbytes in dict.fromkeys(calls)}
+    # 2 warm-up calls and 3 timed rounds: 4 KiB .. 512 KiB at the cap of 7, 1 MiB at 2**22 // 2**20 = 4 calls
+    assert per_size == {**{2**k: 2 + 3 * 7 for k in range(12, 20)}, 2**20: 2 + 3 * 4}
+
+
 # ----- DataParallel on as many GPUs as DDP -------------------------------------------------------------------
 
 @pytest.mark.parametrize("gpus", [2, 3, 5, 6, 7, 8])

@@ -6,6 +6,7 @@ needed, and the real H200 run's rows as fixtures; nothing is asserted on a real 
 import ast
 import math
 import types
+from collections import Counter
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -173,6 +174,32 @@ def test_each_loader_row_carries_its_own_configurations_busy_share_and_gpu_state
     assert "gpu_util_pct" not in rows  # NVML's mean over a configuration's epochs is no busy share of it
     assert rows["sm_clock_mhz"].tolist() == [w.clock for w in gpu.watches]  # each row: its own span's GPU state
     assert scope["loader_results"]["kernel_busy"].tolist() == [shares[name] for name in configs]
+
+
+def test_the_start_up_skipped_is_what_a_loader_can_prepare_ahead_never_more_than_an_epoch(lesson_env, monkeypatch):
+    """A loader hands its workers the indices of the current epoch only, so no more than an epoch's batches are ever
+    prepared ahead: steady_rate skips 2 × min(workers × prefetch, batches per epoch) + 1 batches before it starts the
+    clock, and times as many again (at least min_steady). Counting workers × prefetch alone made full mode skip 121
+    ResNet-50 steps for 15 workers × prefetch 4, with 10 batches in an epoch."""
+    gpu = FakeGpu({"data already on the device": 0.9, "0 workers": 0.05, "2 workers": 0.2,
+                   "2 workers, persistent, prefetch 4": 0.6})
+    drawn = Counter()
+
+    class Counting(gpu.Loader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                drawn[self.settings["num_workers"], self.settings["prefetch_factor"]] += 1
+                yield batch
+
+    gpu.Loader = Counting
+    scope = sweep(monkeypatch, gpu)
+    per_epoch, min_steady = scope["batches_per_epoch"], scope["min_steady"]
+    assert scope["prepared_ahead"](2, 4) == per_epoch < 2 * 4  # the quick sizes: an epoch holds fewer than 8
+    for settings in scope["configs"].values():
+        workers, prefetch = settings["num_workers"], settings["prefetch_factor"]
+        skip = 2 * min(workers * (prefetch or 2), per_epoch) + 1
+        # the skipped batches, the timed ones, and one more that the fake busy.measure trained on
+        assert drawn[workers, prefetch] == skip + max(skip, min_steady) + 1, settings
 
 
 def test_on_a_cpu_the_sweep_says_the_busy_share_needs_a_gpu(lesson_env, monkeypatch, capsys):

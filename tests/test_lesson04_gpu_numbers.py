@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 import gpulab
-from gpulab import Comparison, conditions, datasheets, plots, precision
+from gpulab import Comparison, datasheets, flops, plots, precision
 from gpulab.conditions import Conditions
 from gpulab.timing import Measurement
 
@@ -124,23 +124,22 @@ def test_the_memory_roof_is_measured_beyond_the_l2_cache_on_a_gpu_in_every_mode(
     assert copy_bytes(torch.device("cpu")) == 16 * 2**20  # quick mode on a CPU stays small
 
 
-class FakeWatch:
-    """conditions.Watch over a span: the GPU at 1234 MHz while the peak itself was measured."""
+def fake_ceiling(tflops: dict):
+    """flops.ceiling answering ``tflops[p]`` at 256×512×128, with the GPU at 1234 MHz while its fastest shape was
+    timed; ``asked`` records each precision asked for."""
+    asked = []
 
-    def __init__(self, device=None, interval=0.05):
-        self.conditions = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.conditions = Conditions(1.0, 16, gpu=True, sm_clock_mhz=1234.0, sm_clock_low_mhz=1234.0,
-                                     sm_clock_high_mhz=1234.0)
+    def ceiling(p, device=None, **options):
+        asked.append(p)
+        return flops.Ceiling(p, tflops[p], (256, 512, 128), conditions=Conditions(
+            1.0, 16, gpu=True, sm_clock_mhz=1234.0, sm_clock_low_mhz=1234.0, sm_clock_high_mhz=1234.0))
+    ceiling.asked = asked
+    return ceiling
 
 
 def test_each_matmul_row_carries_the_gpu_state_of_its_own_measurement(quiet_plots, results_dir, monkeypatch):
     rate = {"fp32": 1.0, "bf16": 4.0}  # TFLOP/s at n = 128, fake; each size n runs at n / 128 of it
-    peak = {"fp32": (5.0, 256), "bf16": (0.5, 256)}  # fp32's own peak beats its sweep, bf16's does not
+    peak = {"fp32": 5.0, "bf16": 0.5}  # fp32's ceiling beats its sweep, bf16's does not
 
     def bench(fn, *args, label=None, **kwargs):
         if label == "device copy":
@@ -159,16 +158,16 @@ def test_each_matmul_row_carries_the_gpu_state_of_its_own_measurement(quiet_plot
 
     monkeypatch.setattr(gpulab, "bench", bench)
     monkeypatch.setattr(gpulab, "compare", compare)
-    monkeypatch.setattr(precision, "measured_peak", lambda dtype, device: peak["bf16" if dtype == torch.bfloat16
-                                                                              else "fp32"])
-    monkeypatch.setattr(conditions, "Watch", FakeWatch)
-    scope = {"gpulab": gpulab, "torch": torch, "tqdm": tqdm, "pd": pd, "precision": precision,
-             "conditions": conditions, "device": torch.device("cpu"), "precisions": ["fp32", "bf16"],
-             "comparing": {}, "tf32": lambda p: None}
+    ceiling = fake_ceiling(peak)
+    monkeypatch.setattr(flops, "ceiling", ceiling)
+    scope = {"gpulab": gpulab, "torch": torch, "tqdm": tqdm, "pd": pd, "precision": precision, "flops": flops,
+             "device": torch.device("cpu"), "precisions": ["fp32", "bf16"], "comparing": {}, "tf32": lambda p: None}
     exec(compile(code("04", "device copy"), "<lesson 04: matmul sweep>", "exec"), scope)
+    assert ceiling.asked == ["fp32", "bf16"]  # one ceiling search per precision: the one section 3 divides by
     rows = scope["log"].frame()
     peaks = rows[rows["kind"] == "peak"].set_index("precision")
     assert peaks.loc["fp32", "tflops"] == 5.0 and peaks.loc["fp32", "sm_clock_mhz"] == 1234.0  # the peak's own span
+    assert peaks.loc["fp32", ["m", "n", "k"]].tolist() == [256, 512, 128]  # the ceiling's fastest shape
     assert peaks.loc["bf16", "tflops"] == pytest.approx(4.0) and peaks.loc["bf16", "n"] == 128
     assert peaks.loc["bf16", "sm_clock_mhz"] == 1128.0  # the sweep's fastest matmul, and the state it ran in
     swept = rows[rows["kind"] == "matmul"]

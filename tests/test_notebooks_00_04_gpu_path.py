@@ -110,16 +110,21 @@ def test_lesson_04_says_what_the_tf32_error_is_and_which_api_it_uses():
     assert "mix of the legacy and new APIs" in text and "2.9" in text
 
 
-def test_lesson_04_says_how_long_matmul_peak_really_times():
-    """matmul_peak's GPU defaults: a second of warm-up per size, then a second (min_time=1.0) of timed products."""
+def test_lesson_04_measures_its_peak_once_and_says_how_flops_ceiling_times_it():
+    """The roofline's measured peak is flops.ceiling's, the ceiling section 3 divides by (one search per precision,
+    not a second one by precision.matmul_peak); the text gives flops.ceiling's full-mode defaults: a second of the
+    precision's own products first, then about 0.4 s per shape."""
     import inspect
 
-    from gpulab import precision
+    from gpulab import flops
 
-    body = inspect.getsource(precision.matmul_peak)
-    assert "full=1.0 if cuda" in body.split("min_time = by_mode(")[1].split("\n")[0]
+    sweep = next(source for source in (c.source for c in cells("04")) if "device copy" in source)
+    assert "flops.ceiling(p, device)" in sweep and "measured_peak" not in sweep
+    assert "full=0.4" in inspect.getsource(flops.ceiling).split("seconds = by_mode(")[1].split("\n")[0]
+    assert "by_mode(full=1.0," in inspect.getsource(flops._measure_ceiling)
     text = "\n".join(c.source for c in cells("04", "markdown"))
-    assert "ten seconds" not in text and "for another second" in text
+    assert "first a second of the precision's own untimed products" in text and "about 0.4 s of products" in text
+    assert "matmul_peak" not in text
 
 
 # ---- lesson 02: constants made once per device, no copy from the host per batch ----------------------------------
