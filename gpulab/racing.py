@@ -1,10 +1,10 @@
 """Two training configurations raced epoch by epoch, and the keep-or-drop loop of an optimisation path.
 
 A speed-up measured from two runs one after the other shares no noise between them: a load spike during one decides
-the verdict. ``race`` trains two configurations side by side instead, an epoch of each in turn (A then B, B then A,
-...), each epoch timed on a clock that waits for the GPU; after every epoch it measures each model's test accuracy,
-untimed, so that each run has a time to a target accuracy (as the speedruns measure: training time only) beside its
-steady samples per second. The first epoch is start-up (workers, cuDNN's search, compilation, graph capture).
+the verdict. ``race`` trains two configurations side by side instead, a round (part of an epoch) of each in turn (A
+then B, B then A, ...), each round timed on a clock that waits for the GPU; after every epoch it measures each model's
+test accuracy, untimed, so that each run has a time to a target accuracy (as the speedruns measure: training time
+only) beside its steady samples per second. The first round is start-up (cuDNN's search, compilation, capture).
 
 ``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
 beyond the noise and still reaches the target; a step dropped for its speed is tried once more at the end when a
@@ -29,40 +29,42 @@ nan = math.nan
 
 @dataclass(frozen=True)
 class Run:
-    """One side of a race: the seconds of each epoch (the first with start-up) and the test accuracy after it."""
+    """One side of a race: the seconds of each round (the first with start-up) and the test accuracy after it (NaN
+    where it was not evaluated)."""
 
     label: str
     seconds: tuple[float, ...]
     accuracy: tuple[float, ...]
-    samples_per_epoch: int
+    samples_per_round: int
 
     @property
     def steady_s(self) -> float:
-        """The median epoch after the first."""
+        """The median round after the first."""
         return statistics.median(self.seconds[1:]) if len(self.seconds) > 1 else self.seconds[0]
 
     @property
     def startup_s(self) -> float:
-        """How much longer the first epoch took than a steady one."""
+        """How much longer the first round took than a steady one."""
         return max(self.seconds[0] - self.steady_s, 0.0)
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples_per_epoch / self.steady_s
+        return self.samples_per_round / self.steady_s
 
     @property
     def final_accuracy(self) -> float:
-        return self.accuracy[-1]
+        """The last accuracy measured."""
+        return next((a for a in reversed(self.accuracy) if a == a), nan)
 
-    def epochs_to(self, target: float) -> int | None:
-        """The first epoch (1-based) after which the accuracy reached ``target``; None if none did."""
+    def rounds_to(self, target: float) -> int | None:
+        """The round (1-based) after which the accuracy was first seen at ``target`` or above; None if never."""
         return next((i + 1 for i, a in enumerate(self.accuracy) if a >= target), None)
 
     def time_to(self, target: float) -> float:
-        """Training seconds (start-up included, evaluation not) until the accuracy first reached ``target``; NaN if
-        it never did."""
-        epochs = self.epochs_to(target)
-        return sum(self.seconds[:epochs]) if epochs else nan
+        """Training seconds (start-up included, evaluation not) until the accuracy was first seen at ``target``; NaN
+        if it never was."""
+        rounds = self.rounds_to(target)
+        return sum(self.seconds[:rounds]) if rounds else nan
 
 
 @dataclass(frozen=True)
@@ -74,24 +76,28 @@ class Race:
     candidate: Run
 
 
-def race(baseline, candidate, *, epochs: int, samples_per_epoch: int, labels=("baseline", "candidate"),
-         evaluate: tuple[Callable[[], float], Callable[[], float]] | None = None, device=None) -> Race:
-    """Train ``baseline`` and ``candidate`` (iterators: ``next()`` trains one epoch) ``epochs`` epochs each, in
-    alternating order, each epoch timed on a clock that waits for the GPU; after each epoch, ``evaluate[i]()`` (the
-    test accuracy of that side's model) is called outside the timing. The comparison's pairs are the epochs after
-    the first (start-up), and it carries the machine's state over the race."""
-    if epochs < 2:
-        raise ValueError(f"a race needs at least 2 epochs (the first is start-up), got {epochs!r}")
+def race(baseline, candidate, *, rounds: int, samples_per_round: int, labels=("baseline", "candidate"),
+         evaluate: tuple[Callable[[], float], Callable[[], float]] | None = None, evaluate_every: int = 1,
+         device=None) -> Race:
+    """Train ``baseline`` and ``candidate`` (iterators: ``next()`` trains one round, a fixed number of samples) for
+    ``rounds`` rounds each, in alternating order, each round timed on a clock that waits for the GPU; after every
+    ``evaluate_every``-th round (an epoch), ``evaluate[i]()`` (the test accuracy of that side's model) is called
+    outside the timing. The comparison's pairs are the rounds after the first (start-up), and it carries the
+    machine's state over the race. Rounds shorter than an epoch give a verdict within few epochs: a median's
+    interval needs five pairs or more."""
+    if rounds < 2:
+        raise ValueError(f"a race needs at least 2 rounds (the first is start-up), got {rounds!r}")
     device = get_device(device)
     sides, seconds, accuracy = (baseline, candidate), ([], []), ([], [])
     with Watch(device) as watch:
-        for epoch in range(epochs):
-            for which in (0, 1) if epoch % 2 == 0 else (1, 0):
+        for k in range(rounds):
+            for which in (0, 1) if k % 2 == 0 else (1, 0):
                 start = synced_clock(device)
                 next(sides[which])
                 seconds[which].append(synced_clock(device) - start)
-                accuracy[which].append(evaluate[which]() if evaluate else nan)
-    runs = [Run(label, tuple(s), tuple(a), samples_per_epoch) for label, s, a in zip(labels, seconds, accuracy)]
+                evaluated = evaluate and (k + 1) % evaluate_every == 0
+                accuracy[which].append(evaluate[which]() if evaluated else nan)
+    runs = [Run(label, tuple(s), tuple(a), samples_per_round) for label, s, a in zip(labels, seconds, accuracy)]
     comparison = Comparison.of(runs[0].seconds[1:], runs[1].seconds[1:], labels=labels, conditions=watch.conditions)
     return Race(comparison, *runs)
 
@@ -104,15 +110,24 @@ class Path:
     """The keep-or-drop loop of an optimisation waterfall.
 
     ``run(current, candidate)`` races two configurations, ``(name, options)`` each, and returns a ``Race``; a step is
-    kept when the candidate is faster beyond the noise and reaches ``target`` accuracy by its last epoch. ``rows``
-    holds one row per step (and per retry), ``current`` the configuration kept so far."""
+    kept when the candidate is faster beyond the noise and reaches ``target`` accuracy by its last epoch. Without a
+    ``target``, the first race sets it: the accuracy the starting configuration reached (``baseline``), less
+    ``margin``. ``rows`` holds one row per step (and per retry), ``current`` the configuration kept so far (its
+    options may be None: the starting job, written out apart)."""
 
     run: Callable[[tuple, tuple], Race]
-    target: float
-    current: tuple = ("baseline", {})
+    target: float | None = None
+    margin: float = 0.0
+    current: tuple = ("baseline", None)
     rows: list = field(default_factory=list)
+    baseline: Run | None = None  # the starting configuration's run in the first race
     _dropped: list = field(default_factory=list)  # (name, options, kept steps since): steps dropped for their speed
     _set_by: dict = field(default_factory=dict)  # option -> the kept step that set it
+    _kept: dict = field(default_factory=dict)  # kept step -> its whole configuration's options
+
+    def options_of(self, name: str) -> dict | None:
+        """The options of the configuration kept at step ``name`` (the starting one's for its own name)."""
+        return self._kept.get(name, self.current[1] if name == self.current[0] else None)
 
     def step(self, name: str, options: dict, not_here: str | None = None) -> dict:
         """Race ``name`` (the kept configuration with ``options`` switched on) against the kept configuration;
@@ -142,8 +157,10 @@ class Path:
         return rows
 
     def _try(self, name: str, options: dict) -> dict:
-        candidate = (name, {**self.current[1], **options})
+        candidate = (name, {**(self.current[1] or {}), **options})
         raced = self.run(self.current, candidate)
+        if self.target is None:
+            self.baseline, self.target = raced.baseline, raced.baseline.final_accuracy - self.margin
         c, run = raced.comparison, raced.candidate
         reached = run.final_accuracy >= self.target
         kept = c.verdict == "faster" and reached
@@ -156,6 +173,7 @@ class Path:
                "caveat": "; ".join(c.caveats)}
         if kept:
             self.current = candidate
+            self._kept[name] = candidate[1]
             self._set_by.update(dict.fromkeys(options, name))
         return self._add(row)
 

@@ -99,12 +99,14 @@ def test_the_flash_memory_claim_reads_the_growth_with_sequence_length():
 
 def test_the_capstone_claim_needs_its_whole_interval_above_the_claimed_gain():
     def rows(low, high, verdict="faster"):
-        return _rows(step=["optimised vs baseline"], accuracy=[0.9], **compared(((low + high) / 2, low, high, verdict)))
+        return _rows(step=["optimised vs naive"], accuracy=[0.9], **compared(((low + high) / 2, low, high, verdict)))
     assert claims._capstone(rows(1.6, 2.0))[1] == "confirmed, and larger than claimed"
     assert claims._capstone(rows(1.35, 1.45))[1] == "confirmed"
     assert claims._capstone(rows(1.2, 1.6))[1] == "within noise of the claim"
     assert claims._capstone(rows(1.05, 1.2))[1] == "not confirmed"
     assert claims._capstone(_rows(step=["naive baseline"], accuracy=[0.9])) is None
+    timed = rows(1.6, 2.0).assign(time_to_target_naive_s=[12.0], time_to_target_s=[1.5])
+    assert "12 s → 1.5 s to the target accuracy" in claims._capstone(timed)[0]
 
 
 def test_one_row_per_gpu_and_a_plain_note_where_nothing_ships(monkeypatch, tmp_path):

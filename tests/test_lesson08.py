@@ -69,15 +69,6 @@ def test_evaluation_keeps_the_training_mode():
     assert capstone.evaluate(model, data.test_images, data.test_labels, "cpu", batch_size=24) == pytest.approx(expected)
 
 
-def test_the_baseline_learns_the_task():
-    torch.manual_seed(0)  # the model's initial weights and the augmentation: the same run whatever ran before
-    data = capstone.make_dataset(4096, 1024)
-    model = models.TutorialCNN()
-    losses = capstone.slow_train(model, data, epochs=1, device="cpu")
-    assert len(losses) == 4096 // 128 and losses[-1] < losses[0]
-    assert capstone.evaluate(model, data.test_images, data.test_labels, "cpu") > 0.5  # chance: 0.1
-
-
 # ----- what the model was fed: crops and flips seen in its inputs ---------------------------------------------
 
 def fed(images, *, crop=True, flip=True, scale=1.0, seed=0):
@@ -142,8 +133,8 @@ N, EPOCHS = lesson08.SIZES["n_train"], lesson08.SIZES["epochs"]
 
 def facts(**changes) -> dict:
     """The report of an answer that trained as asked."""
-    report = {"model": "TutorialCNN", "architecture": lesson08._architecture(models.TutorialCNN(width=lesson08.SIZES["width"])),
-              "samples": EPOCHS * N, "forwards": EPOCHS * N // 128, "backwards": EPOCHS * N // 128,
+    report = {"model": "SpeedrunNet", "architecture": lesson08._architecture(models.SpeedrunNet(lesson08.SIZES["widths"])),
+              "samples": EPOCHS * N, "forwards": EPOCHS * N // 64, "backwards": EPOCHS * N // 64,
               "weight_dtypes": ["float32"], "final_dtypes": ["float32"], "input_dtypes": ["float32"],
               "augmentation": {"inputs": 512, "cropped": 0.99, "marked": 512, "flipped": 0.5}}
     return {**report, **changes}
@@ -178,8 +169,8 @@ def test_a_speed_up_below_the_threshold_is_not_yet():
 
 def test_an_accuracy_below_the_baselines_spread_is_not_yet_however_fast():
     with pytest.raises(Wrong, match="accuracy fell"):
-        lesson08.judge(pairs([4.0] * 3, [1.0] * 3, answer_acc=(0.84, 0.86, 0.85)), needed=1.4)
-    noisy = (0.90, 0.96, 0.84)  # a baseline that spreads this much widens the floor beyond 5 points
+        lesson08.judge(pairs([4.0] * 3, [1.0] * 3, answer_acc=(0.80, 0.82, 0.81)), needed=1.4)
+    noisy = (0.90, 0.96, 0.84)  # a baseline that spreads this much widens the floor beyond the tolerance
     assert "correct" not in lesson08.judge(pairs([4.0] * 3, [1.0] * 3, base_acc=noisy, answer_acc=(0.83,) * 3), 1.4)
 
 
@@ -190,7 +181,7 @@ def test_a_baseline_that_did_not_learn_voids_the_check():
 
 @pytest.mark.parametrize("changes, says", [
     (dict(model="SmallCNN"), "the model was changed"),
-    (dict(architecture=[["", "TutorialCNN"]]), "the model was changed"),
+    (dict(architecture=[["", "SpeedrunNet"]]), "the model was changed"),
     (dict(samples=0, forwards=0, backwards=0), "did not train the model it was given"),
     (dict(weight_dtypes=["bfloat16"]), "bfloat16 during training"),
     (dict(final_dtypes=["float16"]), "float16 after your function"),
@@ -205,7 +196,7 @@ def test_a_baseline_that_did_not_learn_voids_the_check():
 def test_what_was_trained_is_verified(changes, says):
     with pytest.raises(Wrong, match=says):
         lesson08._verify(trial("answer", steady=1.0, **changes))
-    lesson08._verify(trial("answer", steady=1.0, samples=EPOCHS * (N - 100)))  # a dropped partial batch is fine
+    lesson08._verify(trial("answer", steady=1.0, samples=EPOCHS * (N - N // 50)))  # a dropped partial batch is fine
 
 
 class ScriptedDuel:
@@ -293,15 +284,21 @@ def the_baseline_with_every_trick(model, data, *, epochs, device):
             model.load_state_dict(other.state_dict())
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(capstone.AugmentedImages(data.train_images, data.train_labels), batch_size=128, shuffle=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(capstone.AugmentedImages(data.train_images, data.train_labels, mean=data.mean, std=data.std),
+                        batch_size=capstone.SIZES.batch, shuffle=True, drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=capstone.SIZES.lr, momentum=capstone.MOMENTUM, nesterov=True,
+                                weight_decay=capstone.WEIGHT_DECAY)
+    step = 0
     for _ in range(epochs):
-        for x, y in loader:
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        for x, y in loader:  # the baseline's own recipe, so that only the speed-up can decide
+            for group in optimizer.param_groups:
+                group["lr"] = capstone.lr_at(step, epochs * len(loader), capstone.SIZES.lr)
+            loss = F.cross_entropy(model(x.to(device)), y.to(device), label_smoothing=capstone.LABEL_SMOOTHING)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             loss.item()
+            step += 1
 
 
 def test_the_shown_solution_passes_a_real_check(monkeypatch):

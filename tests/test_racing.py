@@ -31,29 +31,29 @@ def test_a_race_alternates_the_sides_and_leaves_start_up_and_evaluation_out(monk
     monkeypatch.setattr(racing, "synced_clock", clock)
     a = epochs_of(clock, [5.0, 2.0, 2.0, 2.0], log, "a")
     b = epochs_of(clock, [9.0, 1.0, 1.0, 1.0], log, "b")
-    accuracy = {"a": iter([0.5, 0.7, 0.8, 0.85]), "b": iter([0.4, 0.75, 0.86, 0.9])}
+    accuracy = {"a": iter([0.7, 0.85]), "b": iter([0.75, 0.9])}
 
     def evaluate(side):
         def measure():
-            clock.now += 100.0  # evaluation takes time, which no epoch may count
+            clock.now += 100.0  # evaluation takes time, which no round may count
             return next(accuracy[side])
         return measure
 
-    raced = racing.race(a, b, epochs=4, samples_per_epoch=1000, labels=("a", "b"), evaluate=(evaluate("a"),
-                                                                                             evaluate("b")),
-                        device="cpu")
+    raced = racing.race(a, b, rounds=4, samples_per_round=1000, labels=("a", "b"),
+                        evaluate=(evaluate("a"), evaluate("b")), evaluate_every=2, device="cpu")
     assert log == ["a", "b", "b", "a", "a", "b", "b", "a"]  # AB, BA, AB, BA
     assert raced.baseline.seconds == (5.0, 2.0, 2.0, 2.0) and raced.candidate.seconds == (9.0, 1.0, 1.0, 1.0)
     assert raced.comparison.baseline_times == (2.0, 2.0, 2.0) and raced.comparison.speedup == 2.0
     assert raced.candidate.startup_s == 8.0 and raced.candidate.samples_per_s == 1000.0
-    assert raced.candidate.time_to(0.85) == 11.0 and raced.candidate.epochs_to(0.85) == 3  # 9 + 1 + 1, no evaluation
-    assert raced.baseline.time_to(0.85) == 11.0 and math.isnan(raced.baseline.time_to(0.9))
-    assert raced.comparison.conditions is not None
+    assert math.isnan(raced.candidate.accuracy[0]) and raced.candidate.accuracy[1::2] == (0.75, 0.9)  # every 2nd
+    assert raced.candidate.time_to(0.9) == 12.0 and raced.candidate.rounds_to(0.9) == 4  # no evaluation counted
+    assert raced.candidate.time_to(0.75) == 10.0 and math.isnan(raced.baseline.time_to(0.9))
+    assert raced.candidate.final_accuracy == 0.9 and raced.comparison.conditions is not None
 
 
-def test_a_race_needs_an_epoch_beyond_start_up():
-    with pytest.raises(ValueError, match="at least 2 epochs"):
-        racing.race(iter([]), iter([]), epochs=1, samples_per_epoch=1, device="cpu")
+def test_a_race_needs_a_round_beyond_start_up():
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        racing.race(iter([]), iter([]), rounds=1, samples_per_round=1, device="cpu")
 
 
 def raced(speedup: float, accuracy: float, noisy: bool = False) -> Race:
@@ -89,6 +89,16 @@ def test_a_step_is_kept_when_faster_beyond_the_noise_and_on_target():
     row = path.rows[0]
     assert row["vs_previous"] == 2.0 and row["samples_per_s"] == 200.0
     assert row["time_to_target_s"] == 3.0  # 2 s of start-up, two epochs of 0.5
+
+
+def test_without_a_target_the_first_race_sets_it_from_the_starting_jobs_accuracy():
+    run, pairs = scripted({"fast": raced(2.0, 0.95), "broken": raced(3.0, 0.84)})
+    path = Path(run, margin=0.05, current=("naive job", None))
+    path.step("fast", {"fast": 1})
+    assert path.target == pytest.approx(0.85) and path.baseline.final_accuracy == 0.9  # the kept side's accuracy
+    assert pairs[0] == (("naive job", None), ("fast", {"fast": 1}))
+    assert path.step("broken", {"broken": 1})["note"] == "missed the target"
+    assert path.options_of("fast") == {"fast": 1} and path.options_of("naive job") is None
 
 
 def test_a_step_that_cannot_run_here_is_a_row_that_says_why_and_races_nothing():
