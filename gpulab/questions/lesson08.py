@@ -24,10 +24,12 @@ SIZES = {"n_train": capstone.SIZES.n_train, "n_test": capstone.SIZES.n_test, "ep
 # mode's short runs spread by several points from one seed to the next, and a broken step costs far more (labels
 # shuffled, the normalisation forgotten or a larger batch without its learning rate: 10 to 80 points, tests show it).
 ACCURACY_TOLERANCE = by_mode(full=0.03, quick=0.08)
-# ... and the learner's version must be this many times faster. A CPU gains from batching the augmentation; its
-# convolutions stay, which caps the gain. A GPU gains from all of lesson 08: the baseline's per-sample augmentation
-# caps it at what one CPU core prepares, while the network has arithmetic to spare.
-THRESHOLDS = {"cpu": 1.3, "cuda quick": 2.0, "cuda full": 3.0}
+# ... and the learner's version must be this many times faster. A CPU gains from batching the augmentation and from
+# channels_last; its convolutions stay, which caps the gain: with three pairs the shown solution measured 1.36-2.15x
+# (median 1.66x) on one thread of a 2-core CPU beside two busy processes, the unchanged baseline 0.82-1.34x: four
+# pairs, and 1.35x asked. A GPU gains from all of lesson 08: the baseline's per-sample augmentation caps it at what
+# one CPU core prepares, while the network has arithmetic to spare.
+THRESHOLDS = {"cpu": 1.35, "cuda quick": 2.0, "cuda full": 3.0}
 
 
 def threshold(device: torch.device) -> float:
@@ -167,7 +169,7 @@ TASK = TrainingTask()
 
 # ----- in the notebook's process: the trials judged ---------------------------------------------------------
 
-PAIRS = 3  # interleaved pairs of trainings, and as many again when their interval straddles the threshold
+PAIRS = 4  # interleaved pairs of trainings, and as many again when their interval straddles the threshold
 MIN_BASELINE_ACCURACY = 0.6  # a baseline below this did not train properly on this machine: the check is void
 
 
@@ -265,22 +267,24 @@ def speed(pairs) -> Comparison:
 
 
 def judge(pairs, needed: float, caveat: str | None = None) -> str:
-    """The verdict on verified trials: accuracy kept against the baseline's spread, then the speed-up."""
+    """The verdict on verified trials: accuracy kept against the baseline's spread, then the speed-up. Accuracies
+    are compared by their medians: quick mode's short runs now and then land far below the rest (an unlucky start),
+    on either side, and one such run must not decide."""
     base = [b.report["accuracy"] for b, _ in pairs]
     yours = [a.report["accuracy"] for _, a in pairs]
-    base_mean, yours_mean = statistics.mean(base), statistics.mean(yours)
+    base_mid, yours_mid = statistics.median(base), statistics.median(yours)
     spread = statistics.stdev(base) if len(base) > 1 else 0.0
-    floor = base_mean - max(ACCURACY_TOLERANCE, 2 * spread)
-    if base_mean < MIN_BASELINE_ACCURACY:
-        raise Wrong(f"the baseline itself reached only {base_mean:.0%} test accuracy on this machine, so the check "
+    floor = base_mid - max(ACCURACY_TOLERANCE, 2 * spread)
+    if base_mid < MIN_BASELINE_ACCURACY:
+        raise Wrong(f"the baseline itself reached only {base_mid:.0%} test accuracy on this machine, so the check "
                     "cannot judge yours: run it again (and tell the course if this repeats)")
     comparison = speed(pairs)
     startup = statistics.median(startup_seconds(a) for _, a in pairs)
     said = (f"steady-state speed-up {comparison.speedup:.2f}× (median; {min(comparison.ratios):.2f}–"
             f"{max(comparison.ratios):.2f}× over {comparison.pairs} interleaved pairs of trainings; your start-up, "
-            f"not counted: {startup:.2f} s); test accuracy {yours_mean:.1%} vs the baseline's {base_mean:.1%}")
+            f"not counted: {startup:.2f} s); median test accuracy {yours_mid:.1%} vs the baseline's {base_mid:.1%}")
     note = f" Note: {caveat}." if caveat else ""
-    if yours_mean < floor:
+    if yours_mid < floor:
         raise Wrong(f"accuracy fell below the baseline's: {said}; the floor is {floor:.1%}. Same epochs: a larger "
                     "batch takes fewer steps, so raise the learning rate with it (k times for k times the batch, with "
                     f"the warm-up; quick mode's few steps may want the baseline's batch of {capstone.SIZES.batch}). "
@@ -300,8 +304,8 @@ q1 = Question(
               "process. Move the uint8 images to the device once, crop and flip a whole batch at a time with tensor "
               "indexing, keep .item() out of the loop, use channels_last (faster convolutions on CPUs too), and keep "
               "the recipe (SGD with Nesterov momentum, capstone.lr_at's schedule, label smoothing). On a GPU add bf16 "
-              "autocast where the GPU has it natively, fused SGD and torch.compile. A larger batch takes fewer steps in the same epochs: "
-              "raise the learning rate with it, or keep the baseline's.",
+              "autocast where the GPU has it natively, fused SGD and torch.compile. A larger batch takes fewer steps "
+              "in the same epochs: raise the learning rate with it, or keep the baseline's.",
     solution_text='''
 def fast_train(model, data, *, epochs, device, batch_size=capstone.SIZES.batch, lr=capstone.SIZES.lr):
     device = torch.device(device)
