@@ -20,23 +20,22 @@ import os
 import queue
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
-import psutil
 
 from .mode import quick_mode
+from .processes import end_tree
 from .results import results_dir
 
 RESULT = "RESULT "  # a script prints `RESULT {json}` lines: the rows `Run.results()` returns
@@ -352,22 +351,7 @@ def _drain(lines: queue.Queue, run: Run, echo: bool, wait: float) -> None:
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun, every process it started (each rank leads a session of its own) and their groups."""
-    try:
-        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    groups = set()
-    for p in procs:
-        with suppress(psutil.Error, ProcessLookupError):
-            groups.add(os.getpgid(p.pid))
-    groups.discard(os.getpgrp())  # never our own group
-    for group in groups:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGKILL)
-    for p in procs:
-        with suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(procs, timeout=5)
+    end_tree(proc)
     proc.wait()
 
 

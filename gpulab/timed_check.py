@@ -31,10 +31,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
-from . import conditions
+from . import conditions, processes
 from .check import Wrong
 
 SIDES = ("baseline", "answer")
@@ -138,33 +137,17 @@ class Side:
         for line in self.process.stderr:
             self.stderr.append(line.decode(errors="replace").rstrip()[:300])
 
-    def _tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def _each(self, action: str) -> None:
-        """``action`` ("suspend", "resume", "kill") on the process and every process it started."""
-        for process in self._tree():
-            try:
-                getattr(process, action)()
-            except psutil.Error:
-                pass
-
     def suspend(self) -> None:
-        self._each("suspend")
+        processes.each(processes.tree(self.process), "suspend")
 
     def resume(self) -> None:
-        self._each("resume")
+        processes.each(processes.tree(self.process), "resume")
 
     def close(self) -> None:
-        """Kill the process and every process it started, and wait until they are gone."""
-        tree = self._tree()
-        self._each("kill")
+        """Kill the process and every process it started, and wait until they are gone (a killed child runs until
+        the scheduler next lets it exit)."""
+        processes.end_tree(self.process, wait_s=10)
         self.process.wait()
-        psutil.wait_procs(tree, timeout=10)  # a killed child is running until the scheduler next lets it exit
 
 
 class Duel:

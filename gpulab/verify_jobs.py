@@ -6,11 +6,9 @@ executed notebook with the cells that ran, and ``execute`` ends what is left of 
 cannot be ended (a process stuck in the driver) is left behind, and said so: the run goes on without waiting.
 """
 
-import os
 import queue
 import re
 import secrets
-import signal
 import subprocess
 import threading
 import time
@@ -22,6 +20,7 @@ import nbformat
 import psutil
 
 from .execute import notebook_problem, run_contained
+from .processes import end_tree
 
 PART_TOKEN = "GPULAB_VERIFY_PART"  # in the environment of a lesson's worker and kernel: finds them at its limit
 GRACE_S = 20.0  # after a lesson's kernel is killed at its limit: for its worker to hand back the executed notebook
@@ -175,29 +174,6 @@ def run_command(argv: list[str], env: dict, limit: float, log_path: Path) -> Out
     return Outcome("FAILED", seconds, f"exit status {code}: {summary or (tail[-1] if tail else 'no output')}")
 
 
-def end_tree(root: psutil.Process, *, keep_root: bool = False, wait_s: float = 5.0) -> bool:
-    """Kill every descendant of ``root`` (and ``root`` with its process group, unless ``keep_root``), then wait up to
-    ``wait_s`` seconds for them to die. True when all did."""
-    try:
-        doomed = root.children(recursive=True)
-    except psutil.Error:
-        doomed = []
-    if not keep_root:
-        doomed.append(root)
-        try:
-            if os.getpgid(root.pid) == root.pid != os.getpgid(0):  # a session of its own: what stayed in it too
-                os.killpg(root.pid, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    for process in doomed:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(doomed, timeout=wait_s)
-    return not [p for p in alive if _running(p)]
-
-
 def learner_warnings(notebook: str) -> tuple[str, ...]:
     """The warnings a learner sees in the executed notebook (its cells' stderr), as "code cell N: Category:
     message", each message once, in the order they first appear."""
@@ -225,10 +201,3 @@ def _children_with(token: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
