@@ -1,6 +1,7 @@
 """gpulab.distributed: torchrun launched from Python (gloo on the CPU), nccl-tests' bus bandwidth, the scaling model."""
 
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -285,7 +286,7 @@ def test_torchrun_refuses_a_time_limit_that_is_not_positive(tmp_path):
 
 
 def _run_with(stdout: dict) -> distributed.Run:
-    return distributed.Run(script=distributed.Path("job.py"), command=[], nproc=len(stdout), time_limit=1.0,
+    return distributed.Run(script=Path("job.py"), command=[], nproc=len(stdout), time_limit=1.0,
                            returncode=0, stdout=stdout)
 
 
