@@ -99,7 +99,7 @@ def test_product_devices_say_where_a_model_ran():
 
 def test_a_simulated_gpu_makes_an_unsynchronised_clock_wrong():
     from gpulab.observe import simulated_gpu
-    from gpulab.questions.lesson00 import virtual_clock
+    from gpulab.questions.stand_in import virtual_clock
 
     with virtual_clock(), simulated_gpu() as gpu:  # exact times: a busy machine cannot stretch them
         assert torch.cuda.is_available()
@@ -113,7 +113,7 @@ def test_a_simulated_gpu_makes_an_unsynchronised_clock_wrong():
 
 def test_simulated_cuda_events_time_the_queue_and_refuse_early_reads():
     from gpulab.observe import simulated_gpu
-    from gpulab.questions.lesson00 import virtual_clock
+    from gpulab.questions.stand_in import virtual_clock
 
     with virtual_clock(), simulated_gpu() as gpu, observe() as seen:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

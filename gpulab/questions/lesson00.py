@@ -1,193 +1,21 @@
 """Lesson 00 (setup and diagnostics): devices, matmul throughput, the CPU/GPU crossover, bf16.
 
-It also holds what the checks of lessons 00-02 share: running a learner's code on the GPU, or, on a machine
-without one, on a stand-in for it (``_gpu_run``), so that a mistake which only shows on a GPU shows here too.
+What the checks of lessons 00-04 share (running a learner's code on a GPU, or on a stand-in for it where there is
+none) is in ``stand_in``.
 """
 
 import copy
-import io
-import numbers
-import threading
-import time
-import timeit
 import types
-from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
+from contextlib import ExitStack, contextmanager, nullcontext
 from unittest import mock
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .. import device as device_module
 from ..check import Question, Wrong, expect_close
 from ..device import device_info, get_device
-from ..observe import DATA_DEPENDENT, observe, simulated_gpu
-from ..timing import Measurement
-
-GPU = torch.device("cuda")
-
-
-def _positive(value, what: str) -> float:
-    """``value`` as a positive number (a Measurement counts as its median), else Wrong."""
-    if isinstance(value, Measurement):
-        value = value.median
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise Wrong(f"{what} should be a positive number, got {value!r}")
-    return float(value)
-
-
-def _ratio_is(got, expected: float, ratio: float, rel: float = 0.02) -> bool:
-    """Whether the number ``got`` is ``ratio`` times ``expected`` (within ``rel``)."""
-    if isinstance(got, bool) or not isinstance(got, numbers.Real) or not expected:
-        return False
-    return abs(got / expected - ratio) <= rel * ratio
-
-
-# ---------------------------------------------------------------- a GPU, or a stand-in for one
-
-
-def simulated() -> bool:
-    """Whether ``_gpu_run`` plays the GPU (this machine has none)."""
-    return not torch.cuda.is_available()
-
-
-def on_gpu_side(device_type: str) -> bool:
-    """Whether a device type seen while ``_gpu_run`` ran is the GPU's (the stand-in keeps its tensors on "meta")."""
-    return device_type in ("cuda", "meta")
-
-
-def _to_meta(value):
-    if isinstance(value, torch.device) and value.type == "cuda":
-        return torch.device("meta")
-    if isinstance(value, str) and value.startswith("cuda"):
-        return "meta"
-    return value
-
-
-def _read_on_host(data):
-    """``data`` (a tensor, or lists of them) with every meta tensor copied to the host, as a read of it would."""
-    if isinstance(data, torch.Tensor) and data.is_meta:
-        return data.to("cpu")
-    if isinstance(data, (list, tuple)):
-        return type(data)(_read_on_host(d) for d in data)
-    return data
-
-
-class _CudaOnMeta(TorchFunctionMode):
-    """Tensors sent to "cuda" live on "meta" (shapes and dtypes, no data). Printing one, or building a tensor from
-    them, reads them through a copy to the host, as on a GPU; ``observe(fake_meta_reads=True)`` records it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if func is torch.device:  # a device the code names stays what it says
-            return func(*args, **kwargs)
-        if name == "cuda":
-            non_blocking = bool(kwargs.get("non_blocking")) or any(a is True for a in args[2:])
-            return args[0].to("meta", non_blocking=non_blocking)
-        if name == "pin_memory":
-            return args[0]
-        if name in ("__repr__", "__str__") or name in ("tensor", "as_tensor") and args:
-            args = (_read_on_host(args[0]), *args[1:])
-        return func(*map(_to_meta, args), **{k: _to_meta(v) for k, v in kwargs.items()})
-
-
-# Errors a GPU raises too (naming "cuda" where the stand-in says "meta").
-_GPU_ERRORS = ("to numpy", "same device", "two devices", "expected device")
-
-
-class NotJudged(Exception):
-    """The stand-in for a GPU failed where a GPU would not: what the code does there cannot be judged here."""
-
-
-@contextmanager
-def _gpu_run():
-    """Run the block on the GPU (hand the code ``GPU``), and yield what ``observe()`` saw.
-
-    Without a GPU, a stand-in: ``torch.cuda`` says there is one (with the simulated queue of ``simulated_gpu``),
-    tensors sent to it live on "meta", and reads from it give zeros. The code's prints are dropped there (they would
-    show those zeros). Where the stand-in fails and a GPU would not (an operation whose output shape depends on the
-    values, say), it raises NotJudged.
-    """
-    if not simulated():
-        with observe() as seen:
-            yield seen
-        return
-    try:
-        with simulated_gpu(), _CudaOnMeta(), observe(fake_meta_reads=True) as seen, redirect_stdout(io.StringIO()):
-            yield seen
-    except Exception as err:
-        text = str(err)
-        if isinstance(err, NotImplementedError) or "meta" in text.lower() and not any(w in text for w in _GPU_ERRORS):
-            raise NotJudged(text) from err
-        raise
-
-
-def _shape_reads(host_reads: list) -> list:
-    """The reads among ``Observed.host_reads`` that learn an output's shape from the values: each waits for the GPU."""
-    return [name for name in host_reads if name in DATA_DEPENDENT or name == "index"]
-
-
-def _as_on_gpu(err: Exception) -> str:
-    """The message of an error raised under ``_gpu_run``, as a GPU words it."""
-    return str(err).replace("meta", "cuda")
-
-
-class _VirtualClock:
-    """Seconds that pass only when the code sleeps (or waits for the simulated GPU): exact on a loaded machine."""
-
-    def __init__(self):
-        self.now, self.thread = 1000.0, threading.get_ident()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("sleep length must be non-negative")
-        self.now += seconds
-
-
-@contextmanager
-def virtual_clock(*functions):
-    """For the block, in this thread, every clock of ``time`` (and ``timeit.default_timer``) reads a virtual clock,
-    and ``time.sleep`` advances it (CPU-time clocks stand still); other threads keep the real ones.
-    ``simulated_gpu`` runs on it too, and so do ``functions`` that hold a clock of their own (``from time import
-    perf_counter``) in their module's globals."""
-    clock = _VirtualClock()
-
-    def ours(virtual, real):
-        return lambda *args: virtual(*args) if threading.get_ident() == clock.thread else real(*args)
-
-    seconds, nanoseconds = (lambda: clock.now), (lambda: round(clock.now * 1e9))
-    fakes = {"perf_counter": seconds, "monotonic": seconds, "time": seconds, "sleep": clock.sleep,
-             "perf_counter_ns": nanoseconds, "monotonic_ns": nanoseconds, "time_ns": nanoseconds,
-             # CPU-time clocks stand still: a virtual sleep or a simulated GPU uses no CPU (and the real ones would
-             # count whatever else this process's threads happen to do)
-             "process_time": lambda: 0.0, "process_time_ns": lambda: 0, "thread_time": lambda: 0.0,
-             "thread_time_ns": lambda: 0}
-    replaced = {getattr(time, name): ours(virtual, getattr(time, name)) for name, virtual in fakes.items()}
-    with ExitStack() as stack:
-        for name in fakes:
-            stack.enter_context(mock.patch.object(time, name, replaced[getattr(time, name)]))
-        stack.enter_context(mock.patch.object(timeit, "default_timer", time.perf_counter))
-        for namespace in {id(f.__globals__): f.__globals__ for f in functions if hasattr(f, "__globals__")}.values():
-            held = {key: fake for key, value in namespace.items() for real, fake in replaced.items() if value is real}
-            stack.enter_context(_swapped(namespace, held))
-        yield clock
-
-
-@contextmanager
-def _swapped(namespace: dict, values: dict):
-    """``namespace`` with ``values`` in place of its own for the block; only those keys are put back."""
-    before = {key: namespace[key] for key in values}
-    namespace.update(values)
-    try:
-        yield
-    finally:
-        namespace.update(before)
-
-
-def _where(device: torch.device) -> str:
-    return "on a simulated GPU (this machine has none)" if device.type == "cuda" and simulated() else f"on {device}"
-
+from .stand_in import GPU, NotJudged, as_on_gpu, gpu_run, on_gpu_side, positive, ratio_is, simulated, where
 
 # ---------------------------------------------------------------- q1: model and batch on the same device
 
@@ -210,7 +38,7 @@ def _run_predict(predict, target: torch.device):
         if isinstance(layer, torch.nn.Linear):
             layer.register_forward_pre_hook(lambda layer, args: ran.append(layer.weight.device.type))
     try:
-        with _gpu_run() if target.type == "cuda" else nullcontext():
+        with gpu_run() if target.type == "cuda" else nullcontext():
             out = predict(model, batch, target)
     except (NotImplementedError, NotJudged):
         raise
@@ -220,7 +48,7 @@ def _run_predict(predict, target: torch.device):
 
 
 def _predict_failed(err: Exception, target: torch.device) -> str:
-    words = _as_on_gpu(err)
+    words = as_on_gpu(err)
     first = words.split(". ")[0].rstrip(".!")
     if target.type == "cpu" and any(gpu in words.lower() for gpu in ("cuda", "nvidia")):
         return (f"with device='cpu' your function asked for a GPU ({type(err).__name__}: {first}): use the `device` "
@@ -273,14 +101,14 @@ def _check_predict(predict) -> str:
             raise Wrong("the values differ from the model's own output: just move model and batch, then call the model")
     if GPU not in outputs:
         return "model and batch meet on the CPU; how your function behaves on a GPU could not be judged on this machine."
-    return f"model and batch meet on the device (checked on the CPU and {_where(GPU)})."
+    return f"model and batch meet on the device (checked on the CPU and {where(GPU)})."
 
 
 # ---------------------------------------------------------------- q2: matmul throughput
 
 
 def _check_tflops(n, seconds, tflops) -> str:
-    n, seconds = _positive(n, "n"), _positive(seconds, "seconds")
+    n, seconds = positive(n, "n"), positive(seconds, "seconds")
     expected = 2 * n**3 / seconds / 1e12
     for ratio, why in ((0.5, "you counted n³ operations: each of the n³ multiply-adds is 2 FLOPs"),
                        (1 / n, "you counted n² operations: an n×n matmul does n³ multiply-adds"),
@@ -288,7 +116,7 @@ def _check_tflops(n, seconds, tflops) -> str:
                        (1e12, "that is FLOP/s: divide by 1e12 for TFLOP/s"),
                        (1e-3, "`seconds` is in seconds: do not divide it by 1000"),
                        (1e12 / 2**40, "1 TFLOP/s is 1e12 FLOP/s, not 2⁴⁰")):
-        if _ratio_is(tflops, expected, ratio):
+        if ratio_is(tflops, expected, ratio):
             raise Wrong(f"expected {expected:.4g} TFLOP/s, got {tflops:.4g}: {why}")
     return expect_close(tflops, expected, rel=0.02, what="the throughput", unit="TFLOP/s") + f" (n = {n:.0f})"
 

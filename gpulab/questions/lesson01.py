@@ -12,7 +12,19 @@ import torch
 from ..check import Question, Wrong, expect_close
 from ..device import sync
 from ..observe import simulated_gpu
-from .lesson00 import GPU, NotJudged, _as_on_gpu, _gpu_run, _positive, _ratio_is, _shape_reads, _where, on_gpu_side, virtual_clock
+from .stand_in import (
+    GPU,
+    NotJudged,
+    StampedSyncs,
+    as_on_gpu,
+    gpu_run,
+    positive,
+    ratio_is,
+    shape_reads,
+    unwaited_reads,
+    virtual_clock,
+    where,
+)
 
 # ---------------------------------------------------------------- q1: time GPU work correctly
 
@@ -233,35 +245,17 @@ def _collect_failed(words: str, kind: type, device: torch.device) -> str:
     return f"with the losses on {device} your function raised {kind.__name__}: {words}"
 
 
-class _Stamped(list):
-    """``Observed.syncs``, remembering for each wait how many copies had been asked for before it."""
-
-    def __init__(self, copies: list):
-        super().__init__()
-        self.copies, self.after = copies, []
-
-    def append(self, item) -> None:
-        self.after.append(len(self.copies))
-        super().append(item)
-
-
-def _unwaited_reads(seen) -> list:
-    """The non-blocking copies from the GPU to the host that no wait followed: their values may not be there."""
-    return [c for i, c in enumerate(seen.copies) if c.non_blocking and c.target == "cpu" and on_gpu_side(c.source)
-            and not any(n > i for n in seen.syncs.after)]
-
-
 def _check_collect_on_the_gpu(collect_losses, steps: int) -> str:
     """What the function does with losses on the GPU (or a stand-in for it): its copies to the host and waits."""
     log = SimpleNamespace(calls=0, grad_off=False, graphs_kept=0, waits=[])
     try:
-        with _gpu_run() as seen:
-            seen.syncs = _Stamped(seen.copies)
+        with gpu_run() as seen:
+            seen.syncs = StampedSyncs(seen.copies)
             train_step = _losses_with_graphs(GPU, log)
 
             def watched_step():
                 if log.calls == steps - 1:  # the last step: how often has the host waited so far?
-                    log.waits = [*seen.syncs, *_shape_reads(seen.host_reads)]
+                    log.waits = [*seen.syncs, *shape_reads(seen.host_reads)]
                 return train_step()
 
             collect_losses(watched_step, steps, GPU)
@@ -270,7 +264,7 @@ def _check_collect_on_the_gpu(collect_losses, steps: int) -> str:
     except NotImplementedError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the learner's code is reported
-        raise Wrong(_collect_failed(_as_on_gpu(err), type(err), GPU)) from None
+        raise Wrong(_collect_failed(as_on_gpu(err), type(err), GPU)) from None
     transfers = len(seen.to_host)
     if transfers > 1:
         raise Wrong(f"your function copied losses from the GPU to the host {transfers} times for {steps} steps "
@@ -279,11 +273,11 @@ def _check_collect_on_the_gpu(collect_losses, steps: int) -> str:
     if len(log.waits) > 1:  # one stray wait costs little; one per step leaves the GPU idle again and again
         raise Wrong(f"your function waited for the GPU {len(log.waits)} times before the last step "
                     f"({', '.join(dict.fromkeys(log.waits))}): each wait leaves the GPU idle. Wait once, at the end")
-    if _unwaited_reads(seen):
+    if unwaited_reads(seen):
         raise Wrong("your copy to the host was non-blocking (`non_blocking=True`) and nothing waited for it: on a GPU "
                     "the values may not have arrived when they are read. Copy with `.cpu()`, which waits, or call "
                     "`torch.cuda.synchronize()` before reading")
-    return f"{steps} losses, {transfers} transfer to the host ({_where(GPU)})."
+    return f"{steps} losses, {transfers} transfer to the host ({where(GPU)})."
 
 
 # ---------------------------------------------------------------- q4: bandwidth of a vector add
@@ -313,16 +307,16 @@ def _check_bandwidth(x, copy_seconds, add_seconds, copy_gbs, fraction) -> str:
     if not isinstance(x, torch.Tensor):
         raise Wrong(f"pass the input tensor x first, got {type(x).__name__}")
     nbytes = x.numel() * x.element_size()
-    copy_s, add_s = _positive(copy_seconds, "copy_seconds"), _positive(add_seconds, "add_seconds")
+    copy_s, add_s = positive(copy_seconds, "copy_seconds"), positive(add_seconds, "add_seconds")
     expected_copy = 2 * nbytes / copy_s / 1e9
     for ratio, why in _COPY_MISTAKES:
-        if _ratio_is(_number(copy_gbs), expected_copy, ratio):
+        if ratio_is(_number(copy_gbs), expected_copy, ratio):
             raise Wrong(f"expected a copy bandwidth of {expected_copy:.4g} GB/s, got {_number(copy_gbs):.4g}: {why}")
     expect_close(copy_gbs, expected_copy, rel=0.02, what="the copy bandwidth", unit="GB/s")
     expected = 3 * nbytes / add_s / 1e9 / _number(copy_gbs)
     inverted = (1 / expected**2, "that is the copy's bandwidth over the add's: divide the add's by the copy's")
-    for ratio, why in () if _ratio_is(_number(fraction), expected, 1) else (*_FRACTION_MISTAKES, inverted):
-        if _ratio_is(_number(fraction), expected, ratio, rel=0.01):
+    for ratio, why in () if ratio_is(_number(fraction), expected, 1) else (*_FRACTION_MISTAKES, inverted):
+        if ratio_is(_number(fraction), expected, ratio, rel=0.01):
             raise Wrong(f"expected a fraction of {expected:.3g}, got {_number(fraction):.3g}: {why}")
     expect_close(fraction, expected, rel=0.02, what="the fraction of copy bandwidth")
     return (f"the vector add moved data at {_number(fraction):.0%} of this device's measured copy bandwidth "

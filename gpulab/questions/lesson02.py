@@ -11,8 +11,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..check import Question, Wrong
 from ..device import PCIE_LANE_GBPS
 from ..observe import Observed, simulated_gpu
-from .lesson00 import GPU, NotJudged, _as_on_gpu, _gpu_run, _shape_reads, _where, on_gpu_side, simulated, virtual_clock
-from .lesson01 import _Stamped, _unwaited_reads
+from .stand_in import (
+    GPU,
+    NotJudged,
+    StampedSyncs,
+    as_on_gpu,
+    gpu_run,
+    on_gpu_side,
+    shape_reads,
+    simulated,
+    unwaited_reads,
+    virtual_clock,
+    where,
+)
 
 # ---------------------------------------------------------------- q1: bandwidth, and the PCIe link's share
 
@@ -109,7 +120,7 @@ class _Batches(list):
     def _hand_out(self, index):
         if index == len(self) - 1:
             self.waits = Observed(syncs=list(self.seen.syncs), to_host=list(self.seen.to_host),
-                                  host_reads=_shape_reads(self.seen.host_reads))
+                                  host_reads=shape_reads(self.seen.host_reads))
         return list.__getitem__(self, index)
 
     def __iter__(self):
@@ -129,14 +140,14 @@ def _run_loop(fast_loop, device: torch.device):
     if not simulated():
         batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]  # as a DataLoader with pin_memory=True
     model = model.to("meta" if simulated() else device)  # already on the device, as the exercise says
-    with torch.no_grad(), _gpu_run() as seen:
-        seen.syncs = _Stamped(seen.copies)
+    with torch.no_grad(), gpu_run() as seen:
+        seen.syncs = StampedSyncs(seen.copies)
         watched = _Batches(batches, seen)
         return fast_loop(watched, model, device), seen, watched.waits
 
 
 def _loop_failed(err: Exception, device: torch.device) -> str:
-    words = _as_on_gpu(err)
+    words = as_on_gpu(err)
     if device.type == "cpu" and any(gpu in words.lower() for gpu in ("cuda", "nvidia")):
         first = words.split(". ")[0].rstrip(".!")
         return (f"with the model on the CPU your loop asked for a GPU ({type(err).__name__}: {first}): use the "
@@ -160,7 +171,7 @@ def _check_loop(fast_loop) -> str:
     except NotJudged:
         return "the mean loss is right; how your loop behaves on a GPU could not be judged on this machine."
     _judge_loop(seen, early)
-    return f"non-blocking copies and no wait before the end ({_where(GPU)}): the host no longer waits for the GPU every step."
+    return f"non-blocking copies and no wait before the end ({where(GPU)}): the host no longer waits for the GPU every step."
 
 
 def _run_observed(fast_loop, device: torch.device):
@@ -189,7 +200,7 @@ def _judge_loop(seen, early) -> None:
     if blocking:
         raise Wrong(f"{len(blocking)} of {len(copies)} copies to the device are blocking: pass non_blocking=True "
                     "so the host can queue the next step while the copy runs")
-    if _unwaited_reads(seen):
+    if unwaited_reads(seen):
         raise Wrong("you read the total through a non-blocking copy to the host (`non_blocking=True`) that nothing "
                     "waited for: on a GPU its value may not have arrived yet. Read it with `.item()`, which waits")
 

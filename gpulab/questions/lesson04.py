@@ -14,18 +14,18 @@ import torch.nn.functional as F
 from ..check import Question, Wrong, expect_close
 from ..models import seeded
 from ..observe import observe
-from .lesson00 import _positive, _ratio_is
+from .stand_in import positive, ratio_is
 
 # ---- q1: TFLOP/s from a timing -------------------------------------------------------------------------------
 
 
 def _check_tflops(tflops, m, n, k, seconds) -> str:
-    m, n, k = (int(_positive(v, name)) for v, name in ((m, "M"), (n, "N"), (k, "K")))
-    seconds = _positive(seconds, "seconds")
+    m, n, k = (int(positive(v, name)) for v, name in ((m, "M"), (n, "N"), (k, "K")))
+    seconds = positive(seconds, "seconds")
     expected = 2 * m * n * k / seconds / 1e12
     if isinstance(tflops, torch.Tensor) and tflops.numel() == 1:
         tflops = tflops.item()
-    if not _ratio_is(tflops, expected, 1):
+    if not ratio_is(tflops, expected, 1):
         dims = {"M": m, "N": n, "K": k}
         other = {2 * math.prod(dims[d] for d in combo) / seconds / 1e12 for combo in
                  itertools.combinations_with_replacement("MNK", 3)} - {expected}
@@ -36,7 +36,7 @@ def _check_tflops(tflops, m, n, k, seconds) -> str:
                            (1e12 / 2**40, "1 TFLOP/s is 1e12 FLOP/s, not 2⁴⁰"),
                            *((value / expected, "the matrices are (M×K) @ (K×N), not square: count 2·M·N·K")
                              for value in sorted(other))):
-            if _ratio_is(tflops, expected, ratio):
+            if ratio_is(tflops, expected, ratio):
                 raise Wrong(why)
     expect_close(tflops, expected, rel=0.02, what="the throughput", unit="TFLOP/s")
     return f"2·M·N·K / seconds = {expected:.3g} TFLOP/s for this ({m}×{k}) @ ({k}×{n}) matmul."
