@@ -7,9 +7,10 @@ test accuracy, untimed, so that each run has a time to a target accuracy (as the
 only) beside its steady samples per second. The first round is start-up (cuDNN's search, compilation, capture).
 
 ``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
-beyond the noise and still reaches the target; a step dropped for its speed is tried once more at the end when a
-later step was kept (a change can pay only once another bottleneck is gone), unless a later kept step has set the same
-switch (retrying it would undo that step).
+beyond the noise and keeps the job's quality (``AccuracyTarget``: lesson 08's target accuracy; lesson 09 compares
+training losses); a step dropped for its speed is tried once more at the end when a later step was kept (a change can
+pay only once another bottleneck is gone), unless a later kept step has set the same switch (retrying it would undo
+that step).
 
 The techniques themselves are written out in the lesson's cells; this module only decides and records.
 """
@@ -106,21 +107,45 @@ KEPT, SLOWER_HERE, WITHIN_NOISE, MISSED_TARGET = "kept", "slower here", "within 
 
 
 @dataclass
+class AccuracyTarget:
+    """Lesson 08's judge of a race: the candidate must reach the accuracy the starting job reached in the first race
+    (``baseline``), less ``margin``; ``value`` is that target once the first race has set it."""
+
+    margin: float
+    value: float | None = None
+    baseline: Run | None = None
+
+    def __call__(self, raced: Race) -> str | None:
+        """None when the candidate reached the target, else why it was not kept."""
+        if self.value is None:
+            self.baseline, self.value = raced.baseline, raced.baseline.final_accuracy - self.margin
+        return None if raced.candidate.final_accuracy >= self.value else MISSED_TARGET
+
+    def row(self, raced: Race, options: dict | None = None) -> dict:
+        """The columns of a step's row: the candidate's speed, start-up, time to the target and accuracy."""
+        run = raced.candidate
+        return {"samples_per_s": run.samples_per_s, "startup_s": run.startup_s,
+                "time_to_target_s": run.time_to(self.value), "accuracy": run.final_accuracy}
+
+
+@dataclass
 class Path:
-    """The keep-or-drop loop of an optimisation waterfall.
+    """The keep-or-drop loop of an optimisation waterfall (lessons 08 and 09).
 
-    ``run(current, candidate)`` races two configurations, ``(name, options)`` each, and returns a ``Race``; a step is
-    kept when the candidate is faster beyond the noise and reaches ``target`` accuracy by its last epoch. Without a
-    ``target``, the first race sets it: the accuracy the starting configuration reached (``baseline``), less
-    ``margin``. ``rows`` holds one row per step (and per retry), ``current`` the configuration kept so far (its
-    options may be None: the starting job, written out apart)."""
+    ``run(current, candidate)`` races two configurations, ``(name, options)`` each; the result has a ``comparison``
+    (the candidate's speed-up). ``judge(result)`` says whether the candidate kept the job's quality: None when it
+    did, else the note that says why not ("missed the target", "loss differs"). A step is kept when the candidate is
+    faster beyond the noise and ``judge`` has nothing against it. ``row(result, options)`` gives the step's measured
+columns (``options``: the candidate's whole configuration).
+    ``rows`` holds one row per step (and per retry), ``results`` each race's result by step, ``current`` the
+    configuration kept so far (its options may be None: the starting job, written out apart)."""
 
-    run: Callable[[tuple, tuple], Race]
-    target: float | None = None
-    margin: float = 0.0
+    run: Callable[[tuple, tuple], object]
+    judge: Callable[[object], str | None]
+    row: Callable[[object, dict], dict] = lambda result, options: {}
     current: tuple = ("baseline", None)
     rows: list = field(default_factory=list)
-    baseline: Run | None = None  # the starting configuration's run in the first race
+    results: dict = field(default_factory=dict)
     _dropped: list = field(default_factory=list)  # (name, options, kept steps since): steps dropped for their speed
     _set_by: dict = field(default_factory=dict)  # option -> the kept step that set it
     _kept: dict = field(default_factory=dict)  # kept step -> its whole configuration's options
@@ -158,19 +183,13 @@ class Path:
 
     def _try(self, name: str, options: dict) -> dict:
         candidate = (name, {**(self.current[1] or {}), **options})
-        raced = self.run(self.current, candidate)
-        if self.target is None:
-            self.baseline, self.target = raced.baseline, raced.baseline.final_accuracy - self.margin
-        c, run = raced.comparison, raced.candidate
-        reached = run.final_accuracy >= self.target
-        kept = c.verdict == "faster" and reached
-        note = KEPT if kept else MISSED_TARGET if not reached else WITHIN_NOISE if c.verdict == "within noise" \
-            else SLOWER_HERE
+        result = self.results[name] = self.run(self.current, candidate)
+        c, missed = result.comparison, self.judge(result)
+        kept = c.verdict == "faster" and missed is None
+        note = KEPT if kept else missed or (WITHIN_NOISE if c.verdict == "within noise" else SLOWER_HERE)
         low, high = c.interval
-        row = {"step": name, "samples_per_s": run.samples_per_s, "vs_previous": c.speedup, "low": low, "high": high,
-               "startup_s": run.startup_s, "time_to_target_s": run.time_to(self.target),
-               "accuracy": run.final_accuracy, "kept": kept, "verdict": c.verdict, "note": note,
-               "caveat": "; ".join(c.caveats)}
+        row = {"step": name, **self.row(result, candidate[1]), "vs_previous": c.speedup, "low": low, "high": high,
+               "kept": kept, "verdict": c.verdict, "note": note, "caveat": "; ".join(c.caveats)}
         if kept:
             self.current = candidate
             self._kept[name] = candidate[1]

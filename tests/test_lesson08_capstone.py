@@ -166,10 +166,10 @@ def test_the_summary_takes_every_number_from_the_final_race_and_its_own_traces(m
     measured = {"naive job": busy.Busy("naive job", 5, 10.0, 0.11, 0.12, 0.5, 0.05),
                 "optimised": busy.Busy("optimised", 5, 2.0, 0.97, 0.98, 1.0, 0.85)}
     monkeypatch.setattr(busy, "measure", lambda step, label, **kw: measured[label])
-    path = types.SimpleNamespace(current=("fast", {"pipeline": "device"}), target=0.88,
+    path = types.SimpleNamespace(current=("fast", {"pipeline": "device"}),
                                  rows=[{"step": "fast", "kept": True, "vs_previous": 3.9}])
     scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
-    scope.update(race=fake_race, path=path, flops_per_image=1e7, ceilings={"fp32": flops.Ceiling("fp32", 0.05)},
+    scope.update(race=fake_race, path=path, target=racing.AccuracyTarget(0.0, 0.88), flops_per_image=1e7, ceilings={"fp32": flops.Ceiling("fp32", 0.05)},
                  log=gpulab.ResultLog("08_capstone"), steps=pd.DataFrame(path.rows), job=lambda *a, **k: (None,) * 3,
                  BASE={"sync_each_step": True, "lr": 0.1})
     run(scope, "08", "head_to_head = race(")
@@ -189,4 +189,4 @@ def test_the_path_never_retries_a_step_over_a_later_kept_one():
     """The H200's "torch.compile (again)" replaced the kept reduce-overhead with default: the lesson's path now
     goes through racing.Path, whose test shows the retry refused (tests/test_racing.py)."""
     source = code("08", "path = racing.Path(")
-    assert "path.step(" in source and "path.again()" in source and "racing.Path(race" in source
+    assert "path.step(" in source and "path.again()" in source and "racing.Path(race, judge=target" in source

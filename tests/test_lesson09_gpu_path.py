@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import gpulab
-from gpulab import Comparison, busy, datasheets, flops, text
+from gpulab import Comparison, busy, datasheets, flops, racing, text
 from gpulab.conditions import Conditions
 
 from .conftest import ROOT
@@ -178,7 +178,7 @@ def waterfall(lesson, monkeypatch):
     lesson["ceilings"] = h100_ceilings()
     define(lesson, "def peak_bytes", "peak_bytes")
     define(lesson, "def kernel_flops", "FUSED_ATTENTION", "kernel_flops")
-    return run(lesson, "def run_steps", "def graph_pool_bytes", "def candidate_row")
+    return run(lesson, "def run_steps", "def graph_pool_bytes", "def measured(result, options)")
 
 
 def snapshot(pools: dict) -> list:
@@ -213,8 +213,11 @@ def test_a_race_compares_training_losses_step_by_step_a_measure_that_can_change(
     broken = race(("fp32", {}), ("broken", {"attention": "broken"}))
     assert not waterfall["same_training"](broken)
     faster = dataclasses.replace(Comparison.of([2.0] * 6, [1.0] * 6, labels=("fp32", "broken")), candidate_warmup=(1.0,))
-    row = waterfall["candidate_row"]("broken", {"attention": "broken"}, dataclasses.replace(broken, comparison=faster))
-    assert row["note"] == "loss differs" and not row["kept"]
+    judged = racing.Path(lambda current, candidate: dataclasses.replace(broken, comparison=faster),
+                         judge=lambda result: None if waterfall["same_training"](result) else "loss differs",
+                         row=waterfall["measured"], current=("fp32", {}))
+    row = judged.step("broken", {"attention": "broken"})
+    assert row["note"] == "loss differs" and not row["kept"] and row["tokens_per_s"] > 0
 
 
 def run_waterfall(waterfall, times, gaps=None, warmups=None, states=None):

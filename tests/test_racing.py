@@ -2,12 +2,13 @@
 (gpulab.racing.Path), on a fake clock: every decision is tested with injected epoch times, none with real ones."""
 
 import math
+import types
 
 import pytest
 
 from gpulab import racing
 from gpulab.comparison import Comparison
-from gpulab.racing import Path, Race, Run
+from gpulab.racing import AccuracyTarget, Path, Race, Run
 
 
 class FakeClock:
@@ -79,7 +80,8 @@ def scripted(outcomes):
 def test_a_step_is_kept_when_faster_beyond_the_noise_and_on_target():
     run, pairs = scripted({"fast": raced(2.0, 0.95), "noisy": raced(1.0, 0.95, noisy=True),
                            "slow": raced(0.5, 0.95), "broken": raced(3.0, 0.60)})
-    path = Path(run, target=0.9, current=("naive", {"a": 0}))
+    target = AccuracyTarget(margin=0.0, value=0.9)
+    path = Path(run, judge=target, row=target.row, current=("naive", {"a": 0}))
     notes = [path.step(name, {name: 1})["note"] for name in ("fast", "noisy", "slow", "broken")]
     assert notes == ["kept", "within noise", "slower here", "missed the target"]
     assert path.current == ("fast", {"a": 0, "fast": 1})
@@ -93,17 +95,19 @@ def test_a_step_is_kept_when_faster_beyond_the_noise_and_on_target():
 
 def test_without_a_target_the_first_race_sets_it_from_the_starting_jobs_accuracy():
     run, pairs = scripted({"fast": raced(2.0, 0.95), "broken": raced(3.0, 0.84)})
-    path = Path(run, margin=0.05, current=("naive job", None))
+    target = AccuracyTarget(margin=0.05)
+    path = Path(run, judge=target, row=target.row, current=("naive job", None))
     path.step("fast", {"fast": 1})
-    assert path.target == pytest.approx(0.85) and path.baseline.final_accuracy == 0.9  # the kept side's accuracy
+    assert target.value == pytest.approx(0.85) and target.baseline.final_accuracy == 0.9  # the kept side's accuracy
     assert pairs[0] == (("naive job", None), ("fast", {"fast": 1}))
     assert path.step("broken", {"broken": 1})["note"] == "missed the target"
     assert path.options_of("fast") == {"fast": 1} and path.options_of("naive job") is None
+    assert path.results["fast"] is run(None, ("fast", None))
 
 
 def test_a_step_that_cannot_run_here_is_a_row_that_says_why_and_races_nothing():
     run, pairs = scripted({})
-    path = Path(run, target=0.9)
+    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
     row = path.step("CUDA graphs", {"graph": True}, not_here="CUDA only")
     assert row == {"step": "CUDA graphs", "kept": False, "note": "CUDA only"} and pairs == []
 
@@ -111,7 +115,7 @@ def test_a_step_that_cannot_run_here_is_a_row_that_says_why_and_races_nothing():
 def test_a_dropped_step_is_retried_once_after_a_later_step_is_kept():
     run, pairs = scripted({"no sync": raced(1.0, 0.95, noisy=True), "data on the GPU": raced(3.0, 0.95),
                            "no sync (again)": raced(1.5, 0.95), "slow": raced(0.5, 0.95)})
-    path = Path(run, target=0.9)
+    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
     path.step("no sync", {"sync": False})
     path.step("data on the GPU", {"data": "gpu"})
     again = path.again()
@@ -123,7 +127,7 @@ def test_a_dropped_step_is_not_retried_where_it_would_undo_a_later_kept_step():
     """Lesson 08 on the H200 retried "torch.compile" (compile="default") after "CUDA graphs" (compile="reduce-overhead")
     was kept: the retry raced the kept step minus its CUDA graphs."""
     run, pairs = scripted({"torch.compile": raced(0.9, 0.95, noisy=True), "CUDA graphs": raced(1.3, 0.95)})
-    path = Path(run, target=0.9)
+    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
     path.step("torch.compile", {"compile": "default"})
     path.step("CUDA graphs", {"compile": "reduce-overhead"})
     again = path.again()
@@ -134,7 +138,18 @@ def test_a_dropped_step_is_not_retried_where_it_would_undo_a_later_kept_step():
 
 def test_nothing_is_retried_when_nothing_was_kept_after_it_or_when_it_missed_the_target():
     run, pairs = scripted({"a": raced(1.0, 0.95, noisy=True), "b": raced(5.0, 0.5)})
-    path = Path(run, target=0.9)
+    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
     path.step("a", {"a": 1})
     path.step("b", {"b": 1})  # fast, but below the target: dropped for its accuracy, never retried
     assert path.again() == [] and len(pairs) == 2
+
+
+def test_any_judge_of_quality_decides_with_the_speed_up():
+    """Lesson 09 keeps a step when its training losses match the configuration before it."""
+    same = types.SimpleNamespace(comparison=raced(2.0, 0.9).comparison, loss_gap=0.01)
+    differs = types.SimpleNamespace(comparison=raced(2.0, 0.9).comparison, loss_gap=0.5)
+    run, _ = scripted({"same": same, "differs": differs})
+    path = Path(run, judge=lambda r: None if r.loss_gap < 0.05 else "loss differs",
+                row=lambda r, options: {"loss_gap": r.loss_gap, **options}, current=("naive fp32", {}))
+    assert path.step("same", {"a": 1})["note"] == "kept" and path.rows[0]["loss_gap"] == 0.01 == path.rows[0]["a"] * 0.01
+    assert path.step("differs", {"b": 1})["note"] == "loss differs" and path.current[0] == "same"
