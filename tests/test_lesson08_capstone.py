@@ -169,7 +169,8 @@ def test_the_summary_takes_every_number_from_the_final_race_and_its_own_traces(m
     path = types.SimpleNamespace(current=("fast", {"pipeline": "device"}),
                                  rows=[{"step": "fast", "kept": True, "vs_previous": 3.9}])
     scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
-    scope.update(race=fake_race, path=path, target=racing.AccuracyTarget(0.0, 0.88), flops_per_image=1e7, ceilings={"fp32": flops.Ceiling("fp32", 0.05)},
+    scope.update(race=fake_race, path=path, target=racing.AccuracyTarget(0.0, 0.88), flops_per_image=1e7,
+                 ceilings={"fp32": flops.Ceiling("fp32", 0.05)},
                  log=gpulab.ResultLog("08_capstone"), steps=pd.DataFrame(path.rows), job=lambda *a, **k: (None,) * 3,
                  BASE={"sync_each_step": True, "lr": 0.1})
     run(scope, "08", "head_to_head = race(")
