@@ -32,7 +32,7 @@ course: $(STAMP)  ## run every lesson headless into build/ (notebooks + HTML), w
 
 test: $(STAMP)  ## everything CI runs: unit tests, notebooks (nbval, quick mode), exercises, grading
 	@# two pytest workers, one thread each: two-thread kernels side by side on two cores stall each other
-	$(BIN)/ruff check gpulab tests
+	$(BIN)/ruff check gpulab tests grading_benchmarks
 	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax -p no:cacheprovider --durations=15 --ignore=tests/browser tests notebooks solutions
 
 test-browser: $(STAMP)  ## lesson 00 in JupyterLab in headless Chromium: Run All Cells, no errors, plots; screenshots in build/browser/
@@ -43,21 +43,21 @@ test-wheelhouse: $(STAMP)  ## the wheelhouse for real: PyPI, Pythons 3.11-3.13, 
 	GPULAB_WHEELHOUSE_TEST=1 $(BIN)/python -m pytest -p no:cacheprovider -s tests/test_wheelhouse_offline.py
 
 wheelhouse: $(STAMP)  ## every wheel the course needs but torch, for WHEELHOUSE_PYTHON on WHEELHOUSE_PLATFORM, then checked offline
-	$(BIN)/python -m gpulab.wheelhouse build --set $(WHEELHOUSE_SET) --out $(WHEELHOUSE) --platform $(WHEELHOUSE_PLATFORM) \
+	$(BIN)/python -m gpulab.commands.wheelhouse build --set $(WHEELHOUSE_SET) --out $(WHEELHOUSE) --platform $(WHEELHOUSE_PLATFORM) \
 		$(foreach v,$(WHEELHOUSE_PYTHON),--python $(v)) $(WHEELHOUSE_ARGS)
-	$(BIN)/python -m gpulab.wheelhouse check $(WHEELHOUSE) $(foreach v,$(WHEELHOUSE_PYTHON),--python $(v)) $(WHEELHOUSE_ARGS)
+	$(BIN)/python -m gpulab.commands.wheelhouse check $(WHEELHOUSE) $(foreach v,$(WHEELHOUSE_PYTHON),--python $(v)) $(WHEELHOUSE_ARGS)
 
 install-offline:  ## on a machine without internet: the course into PYTHON (which has torch) from WHEELHOUSE
 	$(PYTHON) -m pip install --no-index --find-links $(WHEELHOUSE) -e ".[$(WHEELHOUSE_SET)]"
 
 verify-gpu: $(VERIFY_INSTALL)  ## on a GPU: the smoke run, then full-mode parts in order of need while BUDGET_MIN lasts; PARTS="smoke 05" picks
-	$(VERIFY_PYTHON) -m gpulab.record verify $(VERIFY_ARGS) --out $(VERIFY_OUT)
+	$(VERIFY_PYTHON) -m gpulab.commands.verify verify $(VERIFY_ARGS) --out $(VERIFY_OUT)
 
 verify-gpu-smoke: $(VERIFY_INSTALL)  ## on a GPU: every lesson in quick mode, several at once (a few minutes; ships nothing)
-	$(VERIFY_PYTHON) -m gpulab.record smoke --out $(VERIFY_OUT)-smoke
+	$(VERIFY_PYTHON) -m gpulab.commands.verify smoke --out $(VERIFY_OUT)-smoke
 
 verify-gpu-plan: $(VERIFY_INSTALL)  ## what one verify-gpu command would run (on an H100 where there is no GPU), from measured minutes where there are any
-	$(VERIFY_PYTHON) -m gpulab.record verify --dry-run $(VERIFY_ARGS) $(if $(GPU),--gpu "$(GPU)")
+	$(VERIFY_PYTHON) -m gpulab.commands.verify verify --dry-run $(VERIFY_ARGS) $(if $(GPU),--gpu "$(GPU)")
 
 lab: $(STAMP)  ## open JupyterLab on the lessons
 	$(BIN)/jupyter lab notebooks/

@@ -2,7 +2,7 @@
 
 Timed the way ``torch.utils.benchmark.Timer`` times: ``timeit`` loops (the garbage collector off while
 they run), a host clock that waits for the GPU, and blocks of back-to-back calls long enough that reading
-the clock costs nothing. ``gpulab bench --timers`` (``gpulab.timers``) shows that the two agree.
+the clock costs nothing. ``gpulab bench --timers`` (``gpulab.commands.timer_agreement``) shows that the two agree.
 """
 
 import functools

@@ -1,8 +1,8 @@
 import nbformat
 import pytest
 
-from gpulab.authoring import blank_solutions, build_exercises, stale_exercises, tidy
 from gpulab.colab import SETUP_CELL
+from gpulab.commands.notebook_upkeep import blank_solutions, build_exercises, stale_exercises, tidy
 
 SOLUTION = '''bandwidth = ____
 ### BEGIN SOLUTION

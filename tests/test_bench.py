@@ -4,7 +4,8 @@ import pandas as pd
 import pytest
 import torch
 
-from gpulab import cli, precision, timers
+from gpulab import precision
+from gpulab.commands import cli, timer_agreement
 
 
 def test_bench_prints_a_table_and_records_every_test(results_dir, monkeypatch, capsys):
@@ -22,7 +23,7 @@ def test_bench_prints_a_table_and_records_every_test(results_dir, monkeypatch, c
 
 def test_timers_interleave_rotate_record_and_agree_roughly(results_dir, monkeypatch):
     monkeypatch.setenv("GPULAB_QUICK", "1")
-    table = timers.compare("cpu", rounds=3)
+    table = timer_agreement.agreement("cpu", rounds=3)
     assert list(table.columns) == ["gpulab", "torch", "gpulab / torch", "spread"]
     assert "add, 1 element" in table.index and any(c.startswith("matmul") for c in table.index)
     assert (table["gpulab / torch"] == table["gpulab"] / table["torch"]).all()
@@ -39,7 +40,7 @@ def test_timers_interleave_rotate_record_and_agree_roughly(results_dir, monkeypa
 def test_bench_timers_command_prints_the_ratios(results_dir, monkeypatch, capsys):
     monkeypatch.setenv("GPULAB_QUICK", "1")
     x = torch.ones(1000)
-    monkeypatch.setattr(timers, "cases", lambda device: {"add": functools.partial(torch.add, x, x)})
+    monkeypatch.setattr(timer_agreement, "cases", lambda device: {"add": functools.partial(torch.add, x, x)})
     assert cli.main(["bench", "--timers", "--device", "cpu", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "gpulab / torch" in out and "cases within 5%" in out and "spread" in out

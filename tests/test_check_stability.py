@@ -11,7 +11,7 @@ def test_the_benchmark_counts_passes_per_answer(results_dir, capsys, monkeypatch
     from gpulab.questions import lesson06
 
     monkeypatch.setattr(lesson06, "SPEEDUP", 0.5)  # this checks the benchmark's plumbing, not this machine's speed
-    spec = importlib.util.spec_from_file_location("check_stability", ROOT / "benchmarks" / "check_stability.py")
+    spec = importlib.util.spec_from_file_location("check_stability", ROOT / "grading_benchmarks" / "check_stability.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--runs", "1", "--checks", "06q3"]) == 0

@@ -5,7 +5,8 @@ import re
 import pandas as pd
 import pytest
 
-from gpulab import claims, cli, results
+from gpulab import results
+from gpulab.commands import claims, cli
 
 from .conftest import ROOT
 

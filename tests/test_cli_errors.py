@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from gpulab import cli
+from gpulab.commands import cli
 
 
 def _error_line(capsys) -> str:
@@ -37,9 +37,9 @@ def test_a_mistake_is_one_line_and_status_2(capsys, tmp_path, monkeypatch, argv,
 
 
 def test_grade_out_naming_a_file_is_refused_before_grading(capsys, tmp_path, monkeypatch):
-    import gpulab.grading
+    import gpulab.grader.grading
 
-    monkeypatch.setattr(gpulab.grading, "grade", lambda *a, **k: pytest.fail("graded before checking --out"))
+    monkeypatch.setattr(gpulab.grader.grading, "grade", lambda *a, **k: pytest.fail("graded before checking --out"))
     notebook = tmp_path / "00_x.ipynb"
     notebook.write_text("{}")
     taken = tmp_path / "grades.csv"
@@ -49,7 +49,7 @@ def test_grade_out_naming_a_file_is_refused_before_grading(capsys, tmp_path, mon
 
 
 def test_argparse_errors_exit_with_2_and_one_line():
-    done = subprocess.run([sys.executable, "-m", "gpulab.cli", "grade", "a.ipynb", "--time-limit", "-5"],
+    done = subprocess.run([sys.executable, "-m", "gpulab.commands.cli", "grade", "a.ipynb", "--time-limit", "-5"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("gpulab grade: error: argument --time-limit")

@@ -12,8 +12,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import cli
-from gpulab.course import run_course
+from gpulab.commands import cli
+from gpulab.commands.course import run_course
 
 
 def _write(path, *sources):
@@ -47,7 +47,7 @@ def test_cli_exit_status_says_whether_all_passed(tmp_path, capsys):
 def test_course_runs_are_quiet(tmp_path):
     """No "Kernel is running over TCP without encryption" from each kernel (a plain nbclient kernel prints it)."""
     fine = _write(tmp_path / "01_fine.ipynb", "x = 1")
-    run = ("import sys, nbformat\nfrom nbclient import NotebookClient\nfrom gpulab.execute import run_notebook\n"
+    run = ("import sys, nbformat\nfrom nbclient import NotebookClient\nfrom gpulab.grader.execute import run_notebook\n"
            "if sys.argv[2] == 'plain':\n    NotebookClient(nbformat.read(sys.argv[1], 4)).execute()\n"
            "else:\n    assert run_notebook(sys.argv[1]).ok\n")
     said = {how: subprocess.run([sys.executable, "-c", run, str(fine), how], capture_output=True, text=True)
@@ -87,7 +87,7 @@ def test_an_interrupted_course_stops_in_one_line_and_keeps_what_finished(tmp_pat
                   f"'import time; time.sleep(600)', {token!r}], start_new_session=True)\ntime.sleep(600)")
     ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: CI once ran the CLI with SIGINT ignored
     try:
-        course = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "course", str(fine), str(hang), "--out",
+        course = subprocess.Popen([sys.executable, "-m", "gpulab.commands.cli", "course", str(fine), str(hang), "--out",
                                    str(tmp_path / "build")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True)  # its own process group, as a terminal's foreground job
     finally:

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from gpulab import cli, doctor
+from gpulab import doctor
+from gpulab.commands import cli
 from gpulab.doctor import Finding, Severity
 
 

@@ -8,8 +8,8 @@ import nbformat
 import pandas as pd
 import pytest
 
-from gpulab import cli
-from gpulab.grading import grade, lesson_of
+from gpulab.commands import cli
+from gpulab.grader.grading import grade, lesson_of
 
 from .conftest import ROOT
 
@@ -24,7 +24,8 @@ def installed(tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     shutil.copytree(ROOT / "gpulab", site / "gpulab", ignore=shutil.ignore_patterns("__pycache__"))
     # The speed-ups lessons 06 and 08 ask for are judged with injected timings in their own tests (and measured under
-    # load by benchmarks/check_stability.py); here they are lowered, so no grade hinges on how busy this machine is.
+    # load by grading_benchmarks/check_stability.py); here they are lowered, so no grade hinges on how busy this machine
+    # is.
     _replace(site / "gpulab" / "questions" / "lesson06.py", r"^SPEEDUP = .*$", "SPEEDUP = 0.5")
     _replace(site / "gpulab" / "questions" / "lesson08.py", r'"cpu": [0-9.]+', '"cpu": 0.25')
     with pytest.MonkeyPatch.context() as patch:

@@ -14,8 +14,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import execute
-from gpulab.grading import GradingError, grade
+from gpulab.grader import execute
+from gpulab.grader.grading import GradingError, grade
 
 from .conftest import ROOT
 

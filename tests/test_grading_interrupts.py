@@ -16,7 +16,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import execute
+from gpulab.grader import execute
 
 from .conftest import ROOT
 
@@ -46,7 +46,7 @@ def test_an_interrupted_grading_stops_in_one_line_and_keeps_the_finished_grades(
                      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {token!r}], "
                      "start_new_session=True)\ntime.sleep(600)")
     grades = tmp_path / "grades"
-    cli = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "grade", str(first), str(hang), "--out", str(grades)],
+    cli = subprocess.Popen([sys.executable, "-m", "gpulab.commands.cli", "grade", str(first), str(hang), "--out", str(grades)],
                            env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # a terminal's foreground job
     deadline = time.monotonic() + 300
@@ -78,7 +78,7 @@ def test_what_a_killed_grader_leaves_is_ended_by_the_next_run(site, tmp_path):
     hang = _notebook(tmp_path / "00_setup_and_diagnostics.ipynb", "import subprocess, sys, time\n"
                      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {token!r}], "
                      "start_new_session=True)\ntime.sleep(600)")
-    cli = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "grade", str(hang), "--out", str(tmp_path / "grades")],
+    cli = subprocess.Popen([sys.executable, "-m", "gpulab.commands.cli", "grade", str(hang), "--out", str(tmp_path / "grades")],
                            env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300

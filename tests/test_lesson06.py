@@ -10,7 +10,7 @@ from gpulab import models, traces
 from gpulab.check import ____
 from gpulab.questions import lesson06
 from gpulab.questions.lesson06 import slow_epoch
-from gpulab.timed_check import Trial, pack_state
+from gpulab.questions.timed_check import Trial, pack_state
 
 from .conftest import shown_solution
 
@@ -333,7 +333,7 @@ def test_q3_rejects_plausible_wrong_answers(wrong, says):
 
 
 class ScriptedDuel:
-    """Stands in for gpulab.timed_check.Duel in q3's check: epochs that train right, the answer's seconds scripted."""
+    """Stands in for gpulab.questions.timed_check.Duel in q3's check: epochs that train right, the answer's seconds scripted."""
 
     def __init__(self, answer_seconds):
         self.answer_seconds, self.timed = list(answer_seconds), 0

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gpulab import capstone, models
 from gpulab.check import Wrong
 from gpulab.questions import lesson08
-from gpulab.timed_check import Trial
+from gpulab.questions.timed_check import Trial
 
 from .conftest import ROOT, shown_solution
 
@@ -208,7 +208,7 @@ def test_what_was_trained_is_verified(changes, says):
 
 
 class ScriptedDuel:
-    """Stands in for gpulab.timed_check.Duel: hands out prepared trials, the answer's steady seconds per seed."""
+    """Stands in for gpulab.questions.timed_check.Duel: hands out prepared trials, the answer's steady seconds per seed."""
 
     def __init__(self, answer_steady):
         self.answer_steady, self.ran = answer_steady, []

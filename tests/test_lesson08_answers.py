@@ -8,9 +8,9 @@ from torch import nn
 
 from gpulab import capstone, models
 from gpulab.check import Wrong
-from gpulab.portable import source_of
 from gpulab.questions import lesson08
-from gpulab.timed_check import Duel
+from gpulab.questions.portable import source_of
+from gpulab.questions.timed_check import Duel
 
 from .conftest import shown_solution
 

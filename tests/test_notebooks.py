@@ -9,8 +9,8 @@ import nbformat
 import pytest
 
 from gpulab import check
-from gpulab.authoring import notebooks, stale_exercises
 from gpulab.colab import SETUP_CELL, colab_url
+from gpulab.commands.notebook_upkeep import notebooks, stale_exercises
 
 from .conftest import ROOT
 

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torchvision.transforms import v2
 
 from gpulab.data import MEAN, STD, SyntheticImages
-from gpulab.observe import observe
+from gpulab.questions.observe import observe
 
 from .conftest import ROOT
 

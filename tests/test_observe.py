@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from gpulab.observe import observe
+from gpulab.questions.observe import observe
 
 
 def test_sees_every_kind_of_host_read():
@@ -98,7 +98,7 @@ def test_product_devices_say_where_a_model_ran():
 
 
 def test_a_simulated_gpu_makes_an_unsynchronised_clock_wrong():
-    from gpulab.observe import simulated_gpu
+    from gpulab.questions.observe import simulated_gpu
     from gpulab.questions.stand_in import virtual_clock
 
     with virtual_clock(), simulated_gpu() as gpu:  # exact times: a busy machine cannot stretch them
@@ -112,7 +112,7 @@ def test_a_simulated_gpu_makes_an_unsynchronised_clock_wrong():
 
 
 def test_simulated_cuda_events_time_the_queue_and_refuse_early_reads():
-    from gpulab.observe import simulated_gpu
+    from gpulab.questions.observe import simulated_gpu
     from gpulab.questions.stand_in import virtual_clock
 
     with virtual_clock(), simulated_gpu() as gpu, observe() as seen:

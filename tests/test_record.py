@@ -5,7 +5,8 @@ import json
 import pandas as pd
 import pytest
 
-from gpulab import cli, record, results
+from gpulab import results
+from gpulab.commands import cli, record
 from gpulab.results import ResultLog, reference, reference_provenance
 
 

@@ -97,7 +97,7 @@ def test_reference_round_trip_with_provenance(results_dir, monkeypatch, tmp_path
 
 def test_cli_reference_add(results_dir, monkeypatch, tmp_path, capsys):
     import gpulab.results as results
-    from gpulab import cli
+    from gpulab.commands import cli
 
     monkeypatch.setattr(results, "REFERENCE_DIR", tmp_path / "reference")
     monkeypatch.setenv("GPULAB_QUICK", "1")

@@ -1,4 +1,4 @@
-"""gpulab.timed_check: each side of a timed check runs in its own process, timed on the parent's clock, suspended
+"""gpulab.questions.timed_check: each side of a timed check runs in its own process, timed on the parent's clock, suspended
 while the other side runs, and ended with everything it started. Tested with a toy task; no assertion here depends
 on how fast this machine is (only on lower bounds such as a sleep's length, and on suspended processes using no
 CPU)."""
@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from gpulab.check import Wrong
-from gpulab.timed_check import Duel
+from gpulab.questions.timed_check import Duel
 
 from .conftest import ROOT, notebook_function
 
@@ -126,7 +126,7 @@ def test_a_hanging_answer_is_stopped_at_the_time_limit_and_nothing_is_left():
 def test_the_answer_travels_as_source_with_what_it_uses():
     helper = notebook_function("def helper(x):\n    return x + OFFSET\n", "helper", OFFSET=10)
     answer = notebook_function("def answer(seed):\n    return helper(seed)\n", "answer", helper=helper)
-    from gpulab.portable import source_of
+    from gpulab.questions.portable import source_of
 
     with duel(source_of(answer), sides=("answer",)) as d:
         assert d.trial("answer", 5).report["value"] == 15
@@ -137,7 +137,7 @@ def test_a_side_ends_when_its_parent_dies(tmp_path):
     script.write_text(textwrap.dedent(f"""\
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from gpulab.timed_check import Duel
+        from gpulab.questions.timed_check import Duel
         duel = Duel({TASK_NAME!r}, "def answer(seed):\\n    return seed\\n", "answer", sides=("answer",))
         duel.__enter__()
         print(duel.sides["answer"].process.pid, flush=True)

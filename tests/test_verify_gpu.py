@@ -1,4 +1,4 @@
-"""`make verify-gpu` and `make verify-gpu-smoke` (gpulab.verify) on a CPU, with a fake GPU: the budgeted run's order
+"""`make verify-gpu` and `make verify-gpu-smoke` (gpulab.commands.verify) on a CPU, with a fake GPU: the budgeted run's order
 and budget on injected times, a part that hangs and a monitor that never stops (the run still returns within its
 budget), a lesson's kernel killed at its limit, a command killed with all it started, the output folder's and the
 bundle's limits, and the smoke run of two small lessons at once."""
@@ -15,10 +15,11 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import monitor, nvml, record, results, verify, verify_jobs, verify_out
-from gpulab import verify_plan as planning
-from gpulab.verify_jobs import Outcome
-from gpulab.verify_plan import H100, estimate
+from gpulab import monitor, nvml, results
+from gpulab.commands import record, verify, verify_jobs, verify_out
+from gpulab.commands import verify_plan as planning
+from gpulab.commands.verify_jobs import Outcome
+from gpulab.commands.verify_plan import H100, estimate
 
 from .conftest import ROOT
 

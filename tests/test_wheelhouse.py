@@ -1,4 +1,4 @@
-"""gpulab.wheelhouse without a network: the sets, pip's target options, the stand-ins for what a machine already has,
+"""gpulab.commands.wheelhouse without a network: the sets, pip's target options, the stand-ins for what a machine already has,
 and resolution, download and the offline check through the real pip against small local wheels.
 
 The real thing (PyPI, a fresh venv that has torch, Pythons 3.12 and 3.13): tests/test_wheelhouse_offline.py."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab import wheelhouse
-from gpulab.wheelhouse import WheelhouseError
+from gpulab.commands import wheelhouse
+from gpulab.commands.wheelhouse import WheelhouseError
 
 from .conftest import ROOT
 
@@ -122,7 +122,7 @@ def test_headless_is_what_running_the_lessons_needs_and_a_part_of_course():
     course = set(wheelhouse.project_requirements(ROOT, "course"))
     assert headless <= course
     names = {wheelhouse.name_of(r) for r in headless}
-    assert {"nbclient", "nbformat", "nbconvert", "ipykernel"} <= names  # gpulab.execute, course, the kernel itself
+    assert {"nbclient", "nbformat", "nbconvert", "ipykernel"} <= names  # gpulab.grader.execute, course, the kernel itself
     assert "jupyterlab" not in names
 
 

@@ -14,7 +14,7 @@ import venv
 
 import pytest
 
-from gpulab import wheelhouse
+from gpulab.commands import wheelhouse
 
 from .conftest import ROOT
 
@@ -103,4 +103,5 @@ def test_a_venv_with_torch_installs_the_course_offline_and_keeps_its_torch(house
         assert after.get(kept) == before.get(kept), kept
     assert {"gpulab", "jupyterlab", "holistictraceanalysis", "nbclient"} <= set(after)
     subprocess.run([torch_venv, "-m", "pip", "check"], check=True, env=wheelhouse.isolated_env())
-    subprocess.run([torch_venv, "-c", "import gpulab.course, gpulab.record, hta, jupyterlab, nbclient"], check=True)
+    subprocess.run([torch_venv, "-c", "import gpulab.commands.course, gpulab.commands.record, hta, jupyterlab, nbclient"],
+                   check=True)

@@ -11,7 +11,7 @@ import torch
 
 from ..check import Question, Wrong, expect_close
 from ..device import sync
-from ..observe import simulated_gpu
+from .observe import simulated_gpu
 from .stand_in import (
     GPU,
     NotJudged,

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..check import Question, Wrong
 from ..device import PCIE_LANE_GBPS
-from ..observe import Observed, simulated_gpu
+from .observe import Observed, simulated_gpu
 from .stand_in import (
     GPU,
     NotJudged,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..check import Question, Wrong, expect_close
 from ..models import seeded
-from ..observe import observe
+from .observe import observe
 from .stand_in import positive, ratio_is
 
 # ---- q1: TFLOP/s from a timing -------------------------------------------------------------------------------

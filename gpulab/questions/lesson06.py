@@ -17,9 +17,9 @@ from ..comparison import Comparison
 from ..device import get_device, sync
 from ..mode import by_mode
 from ..models import WideMLP
-from ..observe import observe
-from ..portable import left_blank, source_of
-from ..timed_check import Duel, loaded_machine, pack_state, unpack_state
+from .observe import observe
+from .portable import left_blank, source_of
+from .timed_check import Duel, loaded_machine, pack_state, unpack_state
 
 # ----- q1: the operator that dominates a profile -----------------------------------------------------
 
@@ -227,7 +227,7 @@ def _pair(value, what: str) -> tuple[float, float]:
 
 
 class EpochTask:
-    """What the timed check's processes run (``gpulab.timed_check``): one epoch on a new problem per seed, and a
+    """What the timed check's processes run (``gpulab.questions.timed_check``): one epoch on a new problem per seed, and a
     probe of what an epoch does (reads back to Python, tensor operations as the batch grows)."""
 
     baseline = staticmethod(slow_epoch)

@@ -13,8 +13,8 @@ from ..comparison import Comparison
 from ..device import get_device
 from ..mode import by_mode, quick_mode
 from ..models import SpeedrunNet
-from ..portable import left_blank, source_of
-from ..timed_check import Duel, Trial, loaded_machine, pack_state, unpack_state
+from .portable import left_blank, source_of
+from .timed_check import Duel, Trial, loaded_machine, pack_state, unpack_state
 
 # The job both versions train: lesson 08's, sized by mode (capstone.SIZES). In quick mode the baseline takes a few
 # seconds on one thread of a 2-core CPU and brings the network to about 95 % test accuracy (82-98 % over seeds 0-5).
@@ -135,7 +135,7 @@ class TrainingWatch:
 
 
 class TrainingTask:
-    """What the check's two processes run (``gpulab.timed_check``): a fresh model and data set per seed."""
+    """What the check's two processes run (``gpulab.questions.timed_check``): a fresh model and data set per seed."""
 
     baseline = staticmethod(capstone.slow_train)
 

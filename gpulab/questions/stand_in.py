@@ -16,8 +16,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..check import Wrong
-from ..observe import DATA_DEPENDENT, observe, simulated_gpu
 from ..timing import Measurement
+from .observe import DATA_DEPENDENT, observe, simulated_gpu
 
 GPU = torch.device("cuda")
 

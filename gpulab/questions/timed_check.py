@@ -1,7 +1,7 @@
 """Graded speed-ups timed where the answer cannot reach the clock or the baseline.
 
 A check that times a learner's function against a baseline runs each side in a fresh process of its own
-(``gpulab.timed_worker``), one thread each by default: the answer travels as source (``gpulab.portable``),
+(``gpulab.questions.timed_worker``), one thread each by default: the answer travels as source (``gpulab.questions.portable``),
 never as an object of the notebook. The parent sends "run trial N" to one side at a time and times it on its
 own clock, from the order to the side's "done" (and to any "mark" in between, such as an epoch's start). The
 side that is not running is suspended, its children with it, so that nothing it left behind (a thread, a
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import conditions, processes
-from .check import Wrong
+from .. import conditions, processes
+from ..check import Wrong
 
 SIDES = ("baseline", "answer")
 _clock = time.perf_counter  # bound now: a notebook that later patches time.perf_counter does not reach it
@@ -57,7 +57,7 @@ class Side:
     def __init__(self, task: str, side: str, source: str | None, name: str | None, threads: int, folder: str):
         read, write = os.pipe()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        self.process = subprocess.Popen([sys.executable, "-m", "gpulab.timed_worker"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "gpulab.questions.timed_worker"], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(write,),
                                         cwd=folder, env=env, start_new_session=True)
         os.close(write)

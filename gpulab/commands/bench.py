@@ -3,11 +3,11 @@
 import torch
 from tqdm.auto import tqdm
 
-from .device import device_info, get_device
-from .mode import by_mode
-from .precision import matmul_flops, matmul_peak
-from .results import ResultLog
-from .timing import bench
+from ..device import device_info, get_device
+from ..mode import by_mode
+from ..precision import matmul_flops, matmul_peak
+from ..results import ResultLog
+from ..timing import bench
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """Does ``gpulab.bench`` agree with ``torch.utils.benchmark`` (and, on a GPU, ``triton.testing.do_bench``)?
 
-``gpulab bench --timers`` or ``python -m gpulab.timers``. Every timer times the same Python function per case
+``gpulab bench --timers`` or ``python -m gpulab.commands.timer_agreement``. Every timer times the same Python function per case
 (a 1-element add, memory-bound adds and copies of several sizes, matmuls), interleaved in one process:
 each round runs every timer once on every case, in an order that rotates from round to round, and the
 table shows the median of the rounds and the ratios. Warm-cache timers are compared with each other
@@ -18,10 +18,10 @@ import torch
 from torch.utils.benchmark import Timer
 from tqdm.auto import tqdm
 
-from .device import get_device
-from .mode import by_mode
-from .results import ResultLog
-from .timing import bench
+from ..device import get_device
+from ..mode import by_mode
+from ..results import ResultLog
+from ..timing import bench
 
 TOLERANCE = 0.05  # the largest relative difference between two timers that counts as agreement
 PAIRS = {"gpulab / torch": ("gpulab", "torch"), "gpulab cold / triton": ("gpulab cold", "triton")}
@@ -63,7 +63,7 @@ def timers(device: torch.device, threads: int, min_time: float) -> dict:
     return found
 
 
-def compare(device=None, rounds: int | None = None, threads: int = 1, min_time: float | None = None) -> pd.DataFrame:
+def agreement(device=None, rounds: int | None = None, threads: int = 1, min_time: float | None = None) -> pd.DataFrame:
     """Median seconds per call of every case by every timer over ``rounds`` interleaved rounds, and the ratios."""
     device = get_device(device)
     rounds = rounds or by_mode(full=5, quick=3)
@@ -103,12 +103,12 @@ def render(table: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpulab.timers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gpulab.commands.timer_agreement", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default: 5, quick mode 3)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for every timer (default: 1)")
     args = parser.parse_args(argv)
-    print(render(compare(args.device, args.rounds, args.threads)))
+    print(render(agreement(args.device, args.rounds, args.threads)))
     return 0
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .check import CORRECT, NOT_ATTEMPTED, WRONG
+from ..check import CORRECT, NOT_ATTEMPTED, WRONG
 from .execute import Stopped, clear_leftovers, notebook_problem, run_contained, shielded, temp_folder
 from .integrity import Installation, InstallationChanged
 
@@ -190,7 +190,7 @@ def _read_report(lines: list[str], tag: str, lesson: str, reference: dict) -> tu
 def _reference(scratch: Path) -> dict:
     """``integrity.reference()`` from a fresh Python process started as a kernel would be."""
     (scratch / "work").mkdir(exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "gpulab.integrity"], cwd=scratch / "work", env=_kernel_env(scratch),
+    done = subprocess.run([sys.executable, "-m", "gpulab.grader.integrity"], cwd=scratch / "work", env=_kernel_env(scratch),
                           capture_output=True, text=True)
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])

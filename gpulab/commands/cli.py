@@ -5,8 +5,9 @@ import json
 import math
 import signal
 import sys
-import threading
 from pathlib import Path
+
+from .stopping import signals_raise
 
 DOCTOR_HELP = """exit status: 0 all OK; 1 warnings (the GPU works, something costs speed);
 2 errors (no usable GPU: torch is CPU-only, no driver, driver too old, ...)"""
@@ -44,11 +45,11 @@ def _positive(kind):
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; a mistake in the command is one line on stderr and exit status 2; Ctrl-C or SIGTERM
     stops it with one line on stderr and exit status 130 or 143."""
-    previous, name = _signals_raise(), "gpulab"
+    previous, name = signals_raise(), "gpulab"
     try:
-        from .device import DeviceError
-        from .grading import GradingError
-        from .results import ResultsFileError
+        from ..device import DeviceError
+        from ..grader.grading import GradingError
+        from ..results import ResultsFileError
 
         args = _parser().parse_args(argv)
         name = f"gpulab {args.subcommand}"
@@ -62,21 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _signals_raise():
-    """Make SIGTERM raise KeyboardInterrupt("SIGTERM") and Ctrl-C raise KeyboardInterrupt, so that runs clean up, even
-    where this process started with SIGINT ignored or blocked (inherited from the process that started it); returns
-    the SIGTERM handler it replaced (None where it can't: outside the main thread)."""
-    def stop(*_):
-        raise KeyboardInterrupt("SIGTERM")
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    return signal.signal(signal.SIGTERM, stop) or signal.SIG_DFL
 
 
 def _stopped_status(signal_name: str) -> int:
@@ -137,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args) -> int:
-    from .doctor import diagnose, exit_status, render
+    from ..doctor import diagnose, exit_status, render
 
     findings = diagnose()
     if args.json:
@@ -150,15 +136,15 @@ def _doctor(args) -> int:
 def _bench(args) -> int:
     import pandas as pd
 
-    from .benchmarks import run_benchmarks
-    from .device import device_info
-    from .results import reference
+    from ..device import device_info
+    from ..results import reference
+    from .bench import run_benchmarks
 
     print(device_info(args.device), end="\n\n")
     if args.timers:
-        from .timers import compare, render
+        from .timer_agreement import agreement, render
 
-        print(render(compare(args.device, args.rounds, args.threads)))
+        print(render(agreement(args.device, args.rounds, args.threads)))
         return 0
     rows = run_benchmarks(args.device)
     table = pd.DataFrame(rows)
@@ -173,8 +159,8 @@ def _bench(args) -> int:
 
 
 def _course(args) -> int:
+    from ..grader.execute import Stopped
     from .course import run_course
-    from .execute import Stopped
 
     notebooks = args.notebooks or sorted(Path("notebooks").glob("*.ipynb"))
     if not notebooks:
@@ -197,8 +183,8 @@ def _course(args) -> int:
 def _grade(args) -> int:
     from tqdm.auto import tqdm
 
-    from .execute import Stopped, containment
-    from .grading import grade
+    from ..grader.execute import Stopped, containment
+    from ..grader.grading import grade
 
     _existing_files(args.notebooks)
     _writable_folder(args.out)  # before grading: a bad --out must not cost a whole class's grading time
@@ -229,7 +215,7 @@ def _show_grades(grades, out_dir: Path) -> None:
     """Print the grades and each notebook's total, and write them to ``out_dir``."""
     import pandas as pd
 
-    from .grading import totals, write
+    from ..grader.grading import totals, write
 
     with pd.option_context("display.max_colwidth", 90, "display.width", 200):
         print(grades.drop(columns="max_points").to_string(index=False))
@@ -239,7 +225,7 @@ def _show_grades(grades, out_dir: Path) -> None:
 
 
 def _exercises(args) -> int:
-    from .authoring import build_exercises, stale_exercises
+    from .notebook_upkeep import build_exercises, stale_exercises
 
     if args.action == "build":
         for path in build_exercises():
@@ -254,7 +240,7 @@ def _exercises(args) -> int:
 
 
 def _notebooks(args) -> int:
-    from .authoring import tidy
+    from .notebook_upkeep import tidy
 
     for path in tidy():
         print(f"tidied {path}")
@@ -272,7 +258,7 @@ def _claims(args) -> int:
 def _reference(args) -> int:
     if args.action == "record":
         return _record(args)
-    from .results import add_reference
+    from ..results import add_reference
 
     if args.csv is None or args.command is None:
         raise UsageError("reference add needs a results CSV and --command (the command that produced it)")

@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from .check import Wrong
+from ..check import Wrong
 
 
 def source_of(fn) -> str:

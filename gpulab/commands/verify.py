@@ -1,4 +1,4 @@
-"""`make verify-gpu` and `make verify-gpu-smoke` (``python -m gpulab.record verify|smoke``): the course checked on
+"""`make verify-gpu` and `make verify-gpu-smoke` (``python -m gpulab.commands.verify verify|smoke``): the course checked on
 this GPU in one command of a few minutes.
 
 1. The smoke run: every lesson in quick mode, as many at once as the card and the cores allow, the lessons that
@@ -13,10 +13,12 @@ gpulab's NVML monitor samples the GPU every second throughout. Everything goes t
 (``verify_out``), rewritten as each part ends; the run returns before its budget, whatever is still running.
 """
 
+import argparse
 import importlib.util
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -27,14 +29,18 @@ from unittest.mock import patch
 
 import nbformat
 import pandas as pd
+import torch
 
-from . import record, results
+from .. import results
+from ..conditions import cpu_cores
+from ..device import DeviceError
+from ..grader.execute import clear_leftovers
+from . import record
 from . import verify_plan as planning
-from .conditions import cpu_cores
-from .execute import clear_leftovers
+from .stopping import signals_raise
 from .verify_jobs import Job, Outcome, run_command, run_lesson, run_many
 from .verify_out import BUNDLE, MONITOR, ROOT, SUMMARY, MonitorLog, log_tail, write_bundle, write_text
-from .verify_plan import PART_CAP_S, RESERVE_S, VERIFY_NAME
+from .verify_plan import H100, PART_CAP_S, RESERVE_S, VERIFY_NAME
 
 VERIFY_COMMAND = "make verify-gpu"
 TIMINGS = "timings"  # the scratch folder of this run's verify_gpu rows (the bundle has them as shipped)
@@ -74,7 +80,7 @@ def verify_parts(notebooks: list[Path], selected: list[str] | None = None, tests
                   command=(sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *files),
                   env=(("GPULAB_QUICK", "1"), ("GPULAB_STRICT_WARNINGS", "1")))]
     parts += [Part(nb.stem, f"{nb} in full mode", notebook=nb) for nb in notebooks]
-    parts.append(Part("bench", "gpulab bench", command=(sys.executable, "-m", "gpulab.cli", "bench")))
+    parts.append(Part("bench", "gpulab bench", command=(sys.executable, "-m", "gpulab.commands.cli", "bench")))
     if not selected:
         return parts
     known = {p.key: p for p in parts} | {p.name: p for p in parts}
@@ -126,7 +132,7 @@ def verify(parts: list[Part], out: Path = Path("build/verify-gpu"), *, budget_s:
     """Run ``parts`` on this GPU: the smoke run first if chosen, then the full-mode parts in order of need, each
     only where its expected minutes fit what is left of ``budget_s`` (None: no budget). Writes ``out``/ after each
     part (see ``verify_out``); returns one row per part (and per lesson of the smoke run)."""
-    from .results import environment
+    from ..results import environment
 
     record.require_gpu()
     out = Path(out)
@@ -356,14 +362,14 @@ def _ship_timings(csv_path: Path) -> Path:
 
 
 def _monitor():
-    from .monitor import Monitor
+    from ..monitor import Monitor
 
     return Monitor(interval=1.0, device=0)
 
 
 def _free_gib() -> float | None:
     """Free memory of GPU 0 by NVML, in GiB (None where NVML cannot say): no CUDA context in this process."""
-    from . import nvml
+    from .. import nvml
 
     try:
         nv, handle = nvml.shared(0)
@@ -371,3 +377,68 @@ def _free_gib() -> float | None:
         return None
     info = nvml.query(nv, nv.nvmlDeviceGetMemoryInfo, handle)
     return None if info is None else info.free / 2**30
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpulab.commands.verify verify|smoke [PARTS ...]``: the command behind ``make verify-gpu`` and
+    ``make verify-gpu-smoke``."""
+    parser = _Parser(prog="python -m gpulab.commands.verify", description="The course checked on this GPU in one command: "
+                     "smoke (every lesson in quick mode, several at once) or verify (the smoke run, then full-mode "
+                     "parts in order of need while the budget lasts).")
+    parser.add_argument("action", choices=["verify", "smoke"])
+    parser.add_argument("parts", nargs="*", help="verify: smoke, tests, bench, lesson numbers (00, 01, ...); smoke: "
+                        "lesson numbers; default: all")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (parts, expected minutes), run nothing")
+    parser.add_argument("--out", type=Path, help="the output folder (default: build/verify-gpu, build/verify-gpu-smoke)")
+    parser.add_argument("--budget-min", type=float, help="verify: stop starting parts that do not fit in these "
+                        "minutes, and return before them (default: no budget, the whole course)")
+    parser.add_argument("--part-limit-min", type=float, default=PART_CAP_S / 60, help="no part runs longer")
+    parser.add_argument("--gpu", help="with --dry-run: the GPU class to plan for (default: this GPU, else an H100)")
+    args = parser.parse_intermixed_args(argv)  # parts before or after the options
+    notebooks = sorted(Path("notebooks").glob("*.ipynb"))
+    if not notebooks:
+        print("python -m gpulab.commands.verify: error: no notebooks/*.ipynb here: run it from the course's folder",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.action == "smoke":
+            lessons = [p.notebook for p in verify_parts(notebooks, args.parts) if p.notebook] if args.parts else notebooks
+            if not lessons:
+                raise ValueError("smoke runs lessons: name them by number (00, 01, ...), or none for all")
+            parts = verify_parts(lessons, ["smoke"])
+        else:
+            parts = verify_parts(notebooks, args.parts)
+        if not args.dry_run:
+            record.require_gpu()
+    except (ValueError, DeviceError) as err:
+        print(f"python -m gpulab.commands.verify: error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or Path("build/verify-gpu" + ("-smoke" if args.action == "smoke" else ""))
+    budget_s = None if args.budget_min is None else args.budget_min * 60
+    gpu = args.gpu or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else H100)
+    print(plan_text(parts, gpu, budget_s, args.part_limit_min * 60, out))
+    if args.dry_run:
+        return 0
+    previous = signals_raise()  # SIGTERM too ends the parts and writes what finished
+    try:
+        table = verify(parts, out, budget_s=budget_s, part_cap_s=args.part_limit_min * 60)
+    except KeyboardInterrupt as stop:
+        print(f"python -m gpulab.commands.verify: stopped by {str(stop) or 'Ctrl-C'}; what finished is in {out}/",
+              file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print("\n" + (out / "summary.txt").read_text())
+    return 0 if table["status"].isin(["passed", "not run"]).all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,8 +19,8 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from .execute import notebook_problem, run_contained
-from .processes import end_tree
+from ..grader.execute import notebook_problem, run_contained
+from ..processes import end_tree
 
 PART_TOKEN = "GPULAB_VERIFY_PART"  # in the environment of a lesson's worker and kernel: finds them at its limit
 GRACE_S = 20.0  # after a lesson's kernel is killed at its limit: for its worker to hand back the executed notebook

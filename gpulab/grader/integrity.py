@@ -336,7 +336,7 @@ def _inside(path: str, folders: list[str]) -> bool:
 def reference() -> dict:
     """What a fresh Python process sees: the package's folder, the folders to watch, every gpulab module, their
     fingerprint and each lesson's questions. Compiles the package first, so that kernels find its bytecode. Run as
-    ``python -m gpulab.integrity``, which prints this as JSON."""
+    ``python -m gpulab.grader.integrity``, which prints this as JSON."""
     import compileall
     import importlib
     import pkgutil

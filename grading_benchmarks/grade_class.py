@@ -7,8 +7,8 @@ and a file that is not a notebook (zero). One `gpulab grade` runs them all; then
 notebook's total with what it should be, looks for any process the class started (`ps`) and any temporary folder
 of the grader, and prints the time grading took and the share spent checking the installation.
 
-    python benchmarks/grade_class.py                 # 24 notebooks, lessons 05-08 (about 20 minutes on 2 cores)
-    python benchmarks/grade_class.py --lessons 05    # 6 notebooks
+    python grading_benchmarks/grade_class.py                 # 24 notebooks, lessons 05-08 (about 20 minutes on 2 cores)
+    python grading_benchmarks/grade_class.py --lessons 05    # 6 notebooks
 
 Exit status 0 when every grade is as expected and nothing was left, 1 otherwise.
 """
@@ -94,7 +94,7 @@ def leftovers(pid: int) -> list[str]:
              for p in psutil.process_iter(["cmdline"]) if TOKEN in " ".join(p.info["cmdline"] or [])]
     for where in {tempfile.gettempdir(), "/tmp"}:
         found += [f"folder {f}" for f in Path(where).glob(f"gpulab-*-{pid}-*")]
-    from gpulab.execute import _cgroup_home
+    from gpulab.grader.execute import _cgroup_home
 
     home = _cgroup_home()
     return found + [f"cgroup {f}" for f in (home.glob(f"gpulab-{pid}-*") if home else [])]
@@ -108,7 +108,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpulab-class-") as scratch:
         table = build_class(args.lessons, Path(scratch))
         out = Path(scratch) / "grades"
-        grader = subprocess.Popen([sys.executable, "-m", "gpulab.cli", "grade", *table["notebook"], "--out", str(out),
+        grader = subprocess.Popen([sys.executable, "-m", "gpulab.commands.cli", "grade", *table["notebook"], "--out", str(out),
                                    "--time-limit", str(args.time_limit)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         stdout, stderr = grader.communicate()

@@ -17,7 +17,7 @@ already has torch, numpy, pandas and matplotlib. Packages "counted as present" a
 dependencies, version ``<declared floor>+present``) that only the resolver sees: PyPI refuses local versions, so
 nothing real can match them, and none of them is ever written into the wheelhouse.
 
-Run as ``python -m gpulab.wheelhouse build|check`` (``make wheelhouse``, ``make wheelhouse-check``).
+Run as ``python -m gpulab.commands.wheelhouse build|check`` (``make wheelhouse``, ``make wheelhouse-check``).
 """
 
 import argparse
@@ -146,8 +146,8 @@ def stub_wheel(name: str, version: str, folder: Path) -> Path:
     dist = f"{name.replace('-', '_')}-{version}"
     files = {
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                      "Summary: counted as present by gpulab.wheelhouse (a stand-in, never installed)\n",
-        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: gpulab.wheelhouse\nRoot-Is-Purelib: true\n"
+                                      "Summary: counted as present by gpulab.commands.wheelhouse (a stand-in, never installed)\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: gpulab.commands.wheelhouse\nRoot-Is-Purelib: true\n"
                                    "Tag: py3-none-any\n",
     }
     record = [f"{path},sha256={_b64sha256(text.encode())},{len(text.encode())}" for path, text in files.items()]
@@ -366,7 +366,7 @@ def _present_option(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpulab.wheelhouse", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gpulab.commands.wheelhouse", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="download every wheel the set needs (except torch) into a folder")
     b.add_argument("--out", type=Path, default=Path("build/wheelhouse"))

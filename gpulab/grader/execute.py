@@ -195,7 +195,7 @@ class Group:
 
     def _sweep(self) -> None:
         """Stop, then kill, the process's tree and the marked processes, until a pass finds none."""
-        from . import processes  # here, not above: the grade worker loads this file by path, without the package
+        from .. import processes  # here, not above: the grade worker loads this file by path, without the package
 
         for _ in range(20):
             found = {p.pid: p for p in [*self._tree(), *members(None, self.marker)] if p.pid != os.getpid()}
@@ -206,7 +206,7 @@ class Group:
             _wait_gone(found.values(), self.process)
 
     def _tree(self) -> list[psutil.Process]:
-        from . import processes
+        from .. import processes
 
         if self.process is None or self.process.returncode is not None:
             return []

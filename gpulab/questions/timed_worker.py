@@ -1,6 +1,6 @@
-"""One side of a timed check, in a process of its own: ``python -m gpulab.timed_worker``.
+"""One side of a timed check, in a process of its own: ``python -m gpulab.questions.timed_worker``.
 
-The parent (``gpulab.timed_check``) sends a job as the first line of stdin: the task (``module:attribute``), the
+The parent (``gpulab.questions.timed_check``) sends a job as the first line of stdin: the task (``module:attribute``), the
 side ("baseline" or "answer"), the answer's source and name, the CPU threads, and the number of the file
 descriptor to report on. The worker builds the function, warms the device up, says "ready", then runs one
 trial per ``{"seed": N}`` line, or the task's untimed ``probe`` per ``{"probe": name}`` line. Its reports are

@@ -62,7 +62,8 @@ PLANNED = {
     "06": estimate(1.8, "the slow loop (batch 128, 6 steps) ~30 s in all, 3 torch.compile runs ~20 s, profiles and HTA "
                    "~25 s"),
     "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
-    "08": measured(246.1, "NVIDIA H200", H200_RUN, "python -m gpulab.record verify 08, alone on the GPU (main 7832b00)"),
+    "08": estimate(3.0, "the lesson as rewritten on 2026-11-27 (its former version ran 246 s on an NVIDIA H200): the naive "
+                   "job's 2 races ~35 s, 5 fast races ~30 s, 2-3 compiles ~60 s, ceilings ~15 s, start ~15 s"),
     "09": estimate(3.0, "from its full-mode sizes after the 2026-11-27 resize (3 ceilings, a 60-step first run, the "
                    "compiler steps last: two compiles); about 2.7 min on one H100"),
     "bench": estimate(0.5, "gpulab bench"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .results import reference
+from ..results import reference
 
 NOT_YET = "not measured on a GPU yet"
 

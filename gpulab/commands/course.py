@@ -9,7 +9,7 @@ import pandas as pd
 from nbconvert import HTMLExporter
 from tqdm.auto import tqdm
 
-from .execute import Stopped, clear_leftovers, notebook_problem, run_contained
+from ..grader.execute import Stopped, clear_leftovers, notebook_problem, run_contained
 
 COLUMNS = ["lesson", "status", "seconds", "error"]
 

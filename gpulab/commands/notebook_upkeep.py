@@ -5,7 +5,7 @@ from pathlib import Path
 
 import nbformat
 
-from .colab import SETUP_CELL
+from ..colab import SETUP_CELL
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 NOTEBOOK_DIRS = ("notebooks", "solutions", "exercises")

@@ -1,6 +1,6 @@
 """How steady are the course's timed checks? Each one's shown solution and its unchanged baseline, checked N times.
 
-    python benchmarks/check_stability.py --runs 20 --busy 2      # beside two busy processes, as a loaded laptop
+    python grading_benchmarks/check_stability.py --runs 20 --busy 2      # beside two busy processes, as a loaded laptop
 
 A timed check must pass a right answer on a busy machine and never pass the baseline itself: the table counts
 passes per answer, with the median speed-up each run measured. Rows go to results/check_stability.csv.
