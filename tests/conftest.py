@@ -5,6 +5,8 @@ import pytest
 import torch
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+# Fixtures, not tests: real GPU runs' executed notebooks are read by tests, never run by nbval.
+collect_ignore_glob = ["data/*"]
 
 
 def pytest_collection_modifyitems(config, items):

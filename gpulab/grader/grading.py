@@ -136,7 +136,7 @@ def _run(text: str, lesson: str, time_limit: float, reference: dict) -> tuple[di
     tag = f"GPULAB-GRADE-{secrets.token_hex(16)}:"
     job = {"notebook": text, "cell_timeout": time_limit, "kernel_log": None,
            "report": {"tag": tag, "lesson": lesson, "modules": reference["modules"],
-                      "integrity": str(Path(reference["package"], "integrity.py"))}}
+                      "integrity": str(Path(reference["package"], "grader", "integrity.py"))}}
     try:
         (root / "work").mkdir()
         answer, failure = run_contained(job, cwd=root / "work", env=_kernel_env(root), time_limit=time_limit)
