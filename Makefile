@@ -31,9 +31,10 @@ course: $(STAMP)  ## run every lesson headless into build/ (notebooks + HTML), w
 	$(BIN)/gpulab course
 
 test: $(STAMP)  ## everything CI runs: unit tests, notebooks (nbval, quick mode), exercises, grading
-	@# two pytest workers, one thread each: two-thread kernels side by side on two cores stall each other
+	@# two pytest workers, one thread each: two-thread kernels side by side on two cores stall each other;
+	@# solutions/ are run by the grader's test (a fresh kernel each, no cell may fail), not a second time by nbval
 	$(BIN)/ruff check gpulab tests grading_benchmarks
-	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax -p no:cacheprovider --durations=15 --ignore=tests/browser tests notebooks solutions
+	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax -p no:cacheprovider --durations=15 --ignore=tests/browser tests notebooks
 
 test-browser: $(STAMP)  ## lesson 00 in JupyterLab in headless Chromium: Run All Cells, no errors, plots; screenshots in build/browser/
 	.ci/install-browser

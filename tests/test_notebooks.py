@@ -1,6 +1,7 @@
 """The notebooks themselves: stored clean, same setup cell, exercises generated from solutions.
 
-Executing them is nbval's job (`pytest --nbval-lax notebooks solutions`, as `make test` does).
+Executing them is nbval's job for the lessons (`pytest --nbval-lax notebooks`, as `make test` does) and the grader's for the
+solutions (test_grading.py).
 """
 
 import re
