@@ -148,8 +148,8 @@ def snapshot(device: str | torch.device | int | None = None) -> Conditions:
         return Conditions(load, cores, gpu=_cuda_index(device) is not None)
     nv, h = handle
     now = _read(nv, h)
-    return Conditions(load, cores, True, now.clock, now.clock, now.clock, _max_clock(nv, h), now.temp, now.power,
-                      _power_limit(nv, h), now.reasons, nvml.throttle_time_ns(nv, h))
+    return Conditions(load, cores, True, now.clock, now.clock, now.clock, max_sm_clock_mhz(nv, h), now.temp, now.power,
+                      power_limit_w(nv, h), now.reasons, nvml.throttle_time_ns(nv, h))
 
 
 class Watch:
@@ -190,8 +190,8 @@ class Watch:
         self.conditions = Conditions(
             load, cores, True,
             statistics.median(clocks) if clocks else nan, min(clocks, default=nan), max(clocks, default=nan),
-            _max_clock(nv, h), max((r.temp for r in readings if r.temp == r.temp), default=nan),
-            max((r.power for r in readings if r.power == r.power), default=nan), _power_limit(nv, h),
+            max_sm_clock_mhz(nv, h), max((r.temp for r in readings if r.temp == r.temp), default=nan),
+            max((r.power for r in readings if r.power == r.power), default=nan), power_limit_w(nv, h),
             tuple(dict.fromkeys([reason for r in readings for reason in r.reasons] + list(grew))), totals,
         )
         return self.conditions
@@ -242,11 +242,13 @@ def _read(nv, handle) -> _Reading:
     return _Reading(_number(clock), _number(temp), _number(power_mw) / 1e3, nvml.throttle_reasons(nv, handle))
 
 
-def _max_clock(nv, handle) -> float:
+def max_sm_clock_mhz(nv, handle) -> float:
+    """The card's maximum SM clock (MHz; NaN where NVML cannot say)."""
     return _number(nvml.read(nv, "nvmlDeviceGetMaxClockInfo", handle, getattr(nv, "NVML_CLOCK_SM", 1)))
 
 
-def _power_limit(nv, handle) -> float:
+def power_limit_w(nv, handle) -> float:
+    """The power limit the card enforces (W; NaN where NVML cannot say)."""
     return _number(nvml.read(nv, "nvmlDeviceGetEnforcedPowerLimit", handle)) / 1e3
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from . import nvml
-from .conditions import Conditions, cpu_cores, load_average
+from .conditions import Conditions, cpu_cores, load_average, max_sm_clock_mhz, power_limit_w
 
 COLUMNS = ("time_s", "phase", "gpu_util_pct", "mem_util_pct", "mem_used_gb", "power_w", "temp_c",
            "sm_clock_mhz", "throttle", "load_avg")
@@ -48,6 +48,7 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._nvml = ExitStack()
         self._cores = cpu_cores()
+        self._card = {}  # the card's maximum SM clock and power limit, read when sampling starts
 
     def start(self) -> "Monitor":
         """Start sampling in a background thread (or say why it cannot)."""
@@ -61,6 +62,7 @@ class Monitor:
             print(f"gpulab.monitor: no GPU samples will be taken ({err}). The monitor's frame stays empty.")
             return self
         self.available = True
+        self._card = {"sm_clock_max_mhz": max_sm_clock_mhz(nv, handle), "gpu_power_limit_w": power_limit_w(nv, handle)}
         self._stop.clear()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(nv, handle), name="gpulab-monitor", daemon=True)
@@ -104,11 +106,12 @@ class Monitor:
         if phase is not None:
             frame = frame[frame["phase"] == phase]
         reasons = [r.strip() for text in frame["throttle"].dropna() for r in str(text).split(",") if r.strip()]
-        loads, clocks = frame["load_avg"].dropna(), frame["sm_clock_mhz"].dropna()
+        loads, clocks, power = frame["load_avg"].dropna(), frame["sm_clock_mhz"].dropna(), frame["power_w"].dropna()
         worst = Conditions(load_avg=float(loads.max()) if len(loads) else math.nan, cpu_cores=self._cores, gpu=True,
                            sm_clock_low_mhz=float(clocks.min()) if len(clocks) else math.nan,
                            sm_clock_high_mhz=float(clocks.max()) if len(clocks) else math.nan,
-                           throttle=tuple(dict.fromkeys(reasons)))
+                           gpu_power_w=float(power.max()) if len(power) else math.nan,
+                           throttle=tuple(dict.fromkeys(reasons)), **self._card)
         return worst.caveats()
 
     def _open(self):

@@ -7,12 +7,13 @@ are always set by the test: nothing depends on how busy the machine running the 
 import math
 import os
 import sys
+import threading
 import time
 import types
 
 import pytest
 
-from gpulab import nvml
+from gpulab import conditions, nvml
 from gpulab.conditions import Conditions, Watch, snapshot
 from gpulab.monitor import COLUMNS, Monitor
 
@@ -221,18 +222,22 @@ def test_nvml_is_started_once_and_shut_down_once(use_nvml):
 # ---------------------------------------------------------------- over a span
 
 
-def watched(nv, during, samples: int = 3) -> Conditions:
-    """A Watch (sampling every millisecond) over a span in which ``during(nv)`` changes the fake GPU; the span lasts
-    until the watch has taken ``samples`` readings (polled: no fixed sleep for a busy machine to cross)."""
+def watched(nv, during, monkeypatch, samples: int = 3) -> Conditions:
+    """A Watch (sampling every millisecond) over a span in which ``during(nv)`` changes the fake GPU; its readings
+    wait until ``during`` has run (a busy machine may delay this thread past the first reading), and the span lasts
+    until the watch has taken ``samples`` of them (polled: no fixed sleep for a busy machine to cross)."""
+    changed, read = threading.Event(), conditions._read
+    monkeypatch.setattr(conditions, "_read", lambda *args: changed.wait() and read(*args))
     watch = Watch("cuda:0", interval=0.001).start()
     during(nv)
+    changed.set()
     deadline = time.monotonic() + 60
     while len(watch._readings) < samples and time.monotonic() < deadline:
         time.sleep(0.001)
     return watch.stop()
 
 
-def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(use_nvml):
+def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(use_nvml, monkeypatch):
     """Lesson 09's first run carried "SW power cap" from the ceiling search before it: at the span's start the GPU
     was still at its limit. The reading at the start belongs to what ran before, and is left out."""
     nv = use_nvml(fake_nvml(reasons=SW_POWER_CAP))
@@ -240,17 +245,17 @@ def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(use_nvml):
     def quiet(nv):
         nv.state.reasons = IDLE
 
-    state = watched(nv, quiet)
+    state = watched(nv, quiet, monkeypatch)
     assert state.throttle == () and state.caveats() == [] and state.advice() == ""
 
 
-def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(use_nvml):
+def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(use_nvml, monkeypatch):
     nv = use_nvml(fake_nvml(reasons=IDLE))
 
     def capped(nv):
         nv.state.reasons, nv.state.clock = SW_POWER_CAP, 1515
 
-    state = watched(nv, capped)
+    state = watched(nv, capped, monkeypatch)
     assert state.throttle == ("SW power cap",) and (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1515, 1515)
     assert state.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1515 MHz of 1980), "
                                "as long, dense work does"]
@@ -260,18 +265,18 @@ def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(use_nvml):
         nv.state.clock = 1755
 
     nv.state.reasons, nv.state.clock = IDLE, 1980
-    state = watched(nv, varying)
+    state = watched(nv, varying, monkeypatch)
     assert (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1755, 1755) and state.sm_clock_mhz == 1755
 
 
-def test_a_span_shows_throttling_that_no_reading_caught(use_nvml):
+def test_a_span_shows_throttling_that_no_reading_caught(use_nvml, monkeypatch):
     nv = use_nvml(fake_nvml(reasons=IDLE))
 
     def briefly_capped(nv):
         nv.state.violation_ns = {0: 9_000_000, 1: 0}  # clocks held down by the power limit between readings
 
-    assert watched(nv, briefly_capped).throttle == ("SW power cap",)
-    assert watched(nv, lambda nv: None).throttle == ()  # counters that did not move say nothing
+    assert watched(nv, briefly_capped, monkeypatch).throttle == ("SW power cap",)
+    assert watched(nv, lambda nv: None, monkeypatch).throttle == ()  # counters that did not move say nothing
 
 
 def test_a_span_on_the_cpu_starts_no_thread_and_has_no_gpu_columns(monkeypatch):
@@ -310,8 +315,19 @@ def test_monitor_samples_the_clock_throttling_and_load(use_nvml):
     assert list(frame.columns) == list(COLUMNS) and len(frame) >= 1
     assert (frame["sm_clock_mhz"] == 1980).all() and (frame["throttle"] == "SW power cap").all()
     assert (frame["load_avg"] == 0.5).all()
-    assert monitor.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1980 MHz), as long, dense "
-                                 "work does"]
+    # 650 W of 700: at the limit (the card's limit and top clock are read when sampling starts)
+    assert monitor.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1980 MHz of 1980), as long, "
+                                 "dense work does"]
+
+
+def test_the_monitor_tells_a_power_cap_flag_at_low_power_from_running_at_the_limit(use_nvml):
+    """The H200 raised "SW power cap" at 250 W of 700 with its clock at the top: not a power-limited run."""
+    nv = fake_nvml(reasons=SW_POWER_CAP)
+    nv.nvmlDeviceGetPowerUsage = lambda h: 250_000
+    use_nvml(nv)
+    with Monitor(interval=0.005, device="cpu") as monitor:
+        pass  # it samples at least once
+    assert monitor.caveats() == ["NVML reported SW power cap at 250 W of 700 W, with the SM clock at its maximum"]
 
 
 def test_monitor_caveats_by_phase(monkeypatch):
