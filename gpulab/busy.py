@@ -8,8 +8,8 @@ one configuration with ``torch.profiler`` and reads the trace (``traces.gpu_busy
 unprofiled for about a second and reads NVML's utilisation and, on Hopper and newer where nvidia-ml-py offers it,
 NVML's GPM SM activity (the share of the SMs' time that had work), both over that second, as a cross-check.
 
-    >>> busy.measure(lambda: train_step(x, y), label="bf16, compiled")
-    Busy(bf16, compiled: kernels ran 96.1 % of the step window over 20 profiled steps of 4.20 ms; NVML 100 %, SM activity 88 %)
+    >>> print(busy.measure(lambda: train_step(x, y), label="bf16, compiled"))  # an illustration, not a measurement
+    bf16, compiled: kernels ran 96.1% of the step window over 20 profiled steps of 4.2 ms (NVML utilisation 100%, SM activity 88%)
 """
 
 import math

@@ -5,7 +5,6 @@ warning (the GPU works but something costs speed), 2 when it is an error (the GP
 """
 
 import importlib.metadata
-import importlib.util
 import os
 import time
 from dataclasses import asdict, dataclass

@@ -215,15 +215,22 @@ class Ceiling:
         m, n, k = self.shape or (None, None, None)
         state = self.conditions.row() if self.conditions else {}
         return {"precision": self.precision, "ceiling_tflops": self.tflops, "m": m, "n": n, "k": k,
-                "datasheet_tflops": self.datasheet_tflops,
-                "of_datasheet": self.tflops / self.datasheet_tflops if self.datasheet_tflops else None, **state}
+                "datasheet_tflops": self.datasheet_tflops, "of_datasheet": self.of_datasheet, **state}
+
+    @property
+    def of_datasheet(self) -> float | None:
+        """The ceiling over the datasheet's dense peak; None where there is no peak, or the ceiling is above it
+        (impossible: the datasheet row is not this card's or this precision's)."""
+        share = self.tflops / self.datasheet_tflops if self.datasheet_tflops else None
+        return share if share is not None and share <= 1 else None
 
     def __str__(self) -> str:
         shape = f" at {'×'.join(map(str, self.shape))}" if self.shape else ""
         clocks = self.conditions.clocks() if self.conditions else ""
         clocks = f", SM clock {clocks}" if clocks else ""
-        sheet = (f"; {self.tflops / self.datasheet_tflops:.0%} of the datasheet's dense {self.datasheet_tflops:g}"
-                 if self.datasheet_tflops else "")
+        sheet = (f"; {self.of_datasheet:.0%} of the datasheet's dense {self.datasheet_tflops:g}" if self.of_datasheet
+                 else f"; above the datasheet's dense {self.datasheet_tflops:g}: impossible, so that datasheet row is "
+                 "not this card's or this precision's" if self.datasheet_tflops else "")
         return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{sheet}"
 
 
@@ -315,7 +322,7 @@ def _measure_ceiling(precision: str, device: torch.device, shapes: tuple, second
             largest = max(shapes, key=lambda s: s[0] * s[1] * s[2])
             warm, started = _products(precision, *largest, device)[0], time.perf_counter()
             while time.perf_counter() - started < by_mode(full=1.0, quick=0.1):
-                timed_calls(warm, 5, device)
+                timed_calls(warm, 1, device)  # one product at a time: a slow card's largest may take a second
             del warm
         for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
             flops = matmul_flops(m, n, k)
@@ -456,7 +463,8 @@ def mfu(model_flops: float, seconds: float, ceiling: "Ceiling | Mapping[str, Cei
     """MFU (and HFU) of a step that does ``model_flops`` in ``seconds``: its TFLOP/s over the dense datasheet peak of
     ``precision``, the precision its matmuls ran in (``precision_of``), and over the ceiling measured here.
     ``ceiling`` is that precision's ``Ceiling``, or a mapping of precisions to ceilings (``ceilings()``) to pick it
-    from. A ceiling of another precision is refused: a bf16 step over the TF32 ceiling reads twice its real MFU. A
+    from. A ceiling of another precision is refused: a bf16 step over the TF32 ceiling reads twice its real share
+    of achievable. A
     step faster than its measured ceiling has the ceiling measured again (once) before anything is said."""
     for name, value in (("model_flops", model_flops), ("seconds", seconds)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):

@@ -205,7 +205,8 @@ def gpm_sm_activity(nv, handle, start) -> float:
         return math.nan
     end = None
     try:
-        end = nv.nvmlGpmSampleGet(handle, nv.nvmlGpmSampleAlloc())
+        end = nv.nvmlGpmSampleAlloc()  # kept before it is filled, so that a failed read frees it too
+        end = nv.nvmlGpmSampleGet(handle, end)
         request = nv.c_nvmlGpmMetricsGet_t()
         request.version, request.numMetrics = nv.NVML_GPM_METRICS_GET_VERSION, 1
         request.sample1, request.sample2 = start, end

@@ -72,6 +72,17 @@ def test_gpm_sm_activity_over_a_span_frees_its_samples():
     assert nvml.gpm_sm_activity(nv, "gpu0", start) == 87.5 and sorted(nv.freed) == ["sample1", "sample2"]
 
 
+def test_a_failed_gpm_reading_still_frees_both_samples():
+    nv = FakeGpm()
+    start = nvml.gpm_sample(nv, "gpu0")
+
+    def fails(handle, sample):
+        raise nv.NVMLError("GPU is lost")
+
+    nv.nvmlGpmSampleGet = fails
+    assert math.isnan(nvml.gpm_sm_activity(nv, "gpu0", start)) and sorted(nv.freed) == ["sample1", "sample2"]
+
+
 def test_gpm_on_a_gpu_before_hopper_is_unknown():
     nv = FakeGpm(supported=False)
     assert nvml.gpm_sample(nv, "gpu0") is None and math.isnan(nvml.gpm_sm_activity(nv, "gpu0", None))

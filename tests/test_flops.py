@@ -332,3 +332,11 @@ def test_gpu_ceilings_are_measured_for_every_native_precision():
         assert c.tflops > 0 and c.shape in c.by_shape and c.conditions.sm_clock_low_mhz > 0
         if c.datasheet_tflops:  # a measured ceiling above the dense datasheet figure would mean a wrong count or clock
             assert c.tflops < 1.05 * c.datasheet_tflops, p
+
+
+def test_a_ceiling_above_its_datasheet_peak_is_never_shown_as_a_share_of_it():
+    fine = flops.Ceiling("bf16", 700.0, datasheet_tflops=989.5)
+    assert fine.row()["of_datasheet"] == pytest.approx(700 / 989.5) and "71% of the datasheet's dense 989.5" in str(fine)
+    wrong_row = flops.Ceiling("bf16", 1200.0, datasheet_tflops=989.5)
+    assert wrong_row.row()["of_datasheet"] is None
+    assert "above the datasheet's dense 989.5: impossible" in str(wrong_row) and "%" not in str(wrong_row)

@@ -295,12 +295,26 @@ def test_shipped_rows_keep_their_caveat_and_reference_for_points_at_it(results_d
     machine(monkeypatch, 9.0, 4)
     log.add(size=2)
     add_reference(log.path, command="make course")
-    assert "1 of 2 rows were measured while the CPU was oversubscribed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "1 of 2 rows were measured while the CPU was oversubscribed" in err and "Re-record them on an idle" in err
     shipped = reference("caveated")
     assert caveats(shipped).tolist() == ["", "the CPU was oversubscribed (load average 9.0 on 4 cores)"]
     reference_for("caveated")
     out = capsys.readouterr().out
     assert "Reference results for 'caveated'" in out and "1 of 2 rows were measured while the CPU was oversubscribed" in out
+
+
+def test_rows_at_the_power_limit_ship_without_advice_to_record_them_again(results_dir, monkeypatch, tmp_path, capsys):
+    """A long GEMM holds a card at its power limit: that is the card's normal state, not a machine to avoid."""
+    _gpu_environment(monkeypatch, tmp_path)
+    machine(monkeypatch, 0.5, 4)
+    log = ResultLog("at_the_limit")
+    log.add(size=1, conditions=Conditions(load_avg=0.5, cpu_cores=4, gpu=True, sm_clock_low_mhz=1500,
+                                          sm_clock_high_mhz=1500, sm_clock_max_mhz=1980, gpu_power_w=695,
+                                          gpu_power_limit_w=700, throttle=("SW power cap",)))
+    add_reference(log.path, command="make course")
+    err = capsys.readouterr().err
+    assert "ran at its power limit" in err and "nothing to re-record" in err and "idle, cool" not in err
 
 
 def test_reference_for_says_nothing_of_caveats_where_rows_have_none(capsys):
