@@ -13,7 +13,8 @@ WHEELHOUSE_PYTHON   ?= 3.12
 WHEELHOUSE_PLATFORM ?= manylinux_2_28_x86_64
 # make verify-gpu runs with .venv's Python, made as every target makes it; on a VM with its own torch, install the
 # course there first (make install-offline) and name that Python: make verify-gpu VERIFY_PYTHON=python3.
-# BUDGET_MIN=9: what fits in 9 minutes (default: the whole course); VERIFY_OUT: the one folder it writes
+# BUDGET_MIN=9: what fits in 9 minutes (default: the whole course); VERIFY_OUT: where it writes (a passed part also ships
+# its results to gpulab/reference/)
 VERIFY_PYTHON       ?= $(BIN)/python
 VERIFY_INSTALL       = $(if $(filter $(BIN)/python,$(VERIFY_PYTHON)),$(STAMP))
 VERIFY_OUT          ?= build/verify-gpu
@@ -55,7 +56,7 @@ verify-gpu: $(VERIFY_INSTALL)  ## on a GPU: the smoke run, then full-mode parts 
 	$(VERIFY_PYTHON) -m gpulab.commands.verify verify $(VERIFY_ARGS) --out $(VERIFY_OUT)
 
 verify-gpu-smoke: $(VERIFY_INSTALL)  ## on a GPU: every lesson in quick mode, several at once (a few minutes; ships nothing)
-	$(VERIFY_PYTHON) -m gpulab.commands.verify smoke --out $(VERIFY_OUT)-smoke
+	$(VERIFY_PYTHON) -m gpulab.commands.verify smoke $(PARTS) --out $(VERIFY_OUT)-smoke
 
 verify-gpu-plan: $(VERIFY_INSTALL)  ## what one verify-gpu command would run (on an H100 where there is no GPU), from measured minutes where there are any
 	$(VERIFY_PYTHON) -m gpulab.commands.verify verify --dry-run $(VERIFY_ARGS) $(if $(GPU),--gpu "$(GPU)")

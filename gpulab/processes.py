@@ -42,10 +42,22 @@ def end_tree(root: int | subprocess.Popen | psutil.Process, *, keep_root: bool =
             if os.getpgid(process.pid) == process.pid != own:  # it leads a group: whatever stayed in it goes too
                 os.killpg(process.pid, signal.SIGKILL)
     each(doomed, "kill")
-    deadline = time.monotonic() + wait_s  # a zombie is gone for us: its parent (or init) reaps it when it will
-    while any(_running(p) for p in doomed) and time.monotonic() < deadline:
+    return wait_gone(doomed, wait_s)
+
+
+def wait_gone(processes, wait_s: float = 5.0, own: subprocess.Popen | None = None) -> bool:
+    """Wait up to ``wait_s`` seconds until ``processes`` are gone (a zombie waiting for its parent counts as gone;
+    ``own``, this process's child among them, is reaped as it goes); True when they all are."""
+    processes = list(processes)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if own is not None:
+            own.poll()
+        if not any(_running(p) for p in processes):
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.02)
-    return not any(_running(p) for p in doomed)
 
 
 def _running(process: psutil.Process) -> bool:

@@ -209,6 +209,19 @@ def test_results_that_cannot_ship_do_not_stop_the_parts_after_them(tmp_path, on_
     assert "not shipped: ResultsFileError: bench.csv holds quick-mode rows" in table.loc["bench", "detail"]
 
 
+def test_minutes_that_cannot_be_kept_do_not_stop_the_parts_after_them(tmp_path, on_a_gpu, monkeypatch):
+    def read_only(path):
+        raise PermissionError(f"{path} is read-only")
+
+    monkeypatch.setattr(verify, "_ship_timings", read_only)
+    clock, calls = FakeClock(), []
+    _fake_runs(monkeypatch, clock, {("bench", "full"): 10, ("05_memory", "full"): 10}, calls)
+    table = verify.verify(_parts(tmp_path, ["bench", "05"]), tmp_path / "out", clock=clock, monitor=FakeMonitor(),
+                          log=lambda *a: None).set_index("part")
+    assert (table["status"] == "passed").all() and len(calls) == 2
+    assert "minutes not kept: PermissionError" in table.loc["bench", "detail"]
+
+
 # --------------------------------------------------------------------------------------------- real kernels
 
 
@@ -244,10 +257,11 @@ def test_the_smoke_run_runs_two_lessons_at_once_then_the_whole_card_lesson_alone
     assert "01_a (quick): code cell 2: UserWarning: tensor cores are idle" in summary
     with tarfile.open(out / verify_out.BUNDLE) as tar:
         names = set(tar.getnames())
-        executed = nbformat.reads(tar.extractfile("build/verify-gpu/smoke/01_a.ipynb").read().decode(), as_version=4)
-    assert {"build/verify-gpu/smoke/02_b.ipynb", "build/verify-gpu/smoke/05_alone.ipynb",
-            "build/verify-gpu/smoke/results/01_a/01_a.csv", "build/verify-gpu/summary.txt",
-            "build/verify-gpu/monitor.csv"} <= names
+        executed = nbformat.reads(tar.extractfile("build/verify-gpu-smoke/smoke/01_a.ipynb").read().decode(), as_version=4)
+    # a smoke run's bundle unpacks beside a full run's (build/verify-gpu-smoke/), not over its summary
+    assert {"build/verify-gpu-smoke/smoke/02_b.ipynb", "build/verify-gpu-smoke/smoke/05_alone.ipynb",
+            "build/verify-gpu-smoke/smoke/results/01_a/01_a.csv", "build/verify-gpu-smoke/summary.txt",
+            "build/verify-gpu-smoke/monitor.csv"} <= names
     assert "tensor cores are idle" in executed.cells[1].outputs[0]["text"]
 
 

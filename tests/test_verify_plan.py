@@ -143,6 +143,10 @@ def test_parts_are_picked_by_name_and_errors_are_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         verify.main(["verify", "--no-such-option"])
     assert stop.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    for limit in ("--budget-min", "--part-limit-min"):  # no minutes would time out every part
+        with pytest.raises(SystemExit) as stop:
+            verify.main(["verify", "--dry-run", limit, "0"])
+        assert stop.value.code == 2 and "must be a positive number" in capsys.readouterr().err
 
 
 def test_refuses_to_run_without_a_gpu_in_one_line(monkeypatch, capsys):

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .stopping import signals_raise
+from .stopping import signals_raise, stopped_status
 
 DOCTOR_HELP = """exit status: 0 all OK; 1 warnings (the GPU works, something costs speed);
 2 errors (no usable GPU: torch is CPU-only, no driver, driver too old, ...)"""
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive(kind):
+def positive(kind):
     """An argparse type: a finite number > 0 of ``kind`` (int or float)."""
     def parse(text: str):
         try:
@@ -56,17 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt as stop:  # first: the names below may not be imported yet
         print(f"{name}: stopped by {str(stop) or 'Ctrl-C'}", file=sys.stderr)
-        return _stopped_status(str(stop))
+        return stopped_status(str(stop))
     except (UsageError, DeviceError, ResultsFileError, GradingError) as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _stopped_status(signal_name: str) -> int:
-    return 128 + (signal.SIGTERM if signal_name == "SIGTERM" else signal.SIGINT)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,21 +77,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     p.add_argument("--timers", action="store_true",
                    help="instead, compare gpulab.bench with torch.utils.benchmark (and triton's do_bench on a GPU)")
-    p.add_argument("--rounds", type=_positive(int), help="with --timers: interleaved rounds (default: 5, quick mode 3)")
-    p.add_argument("--threads", type=_positive(int), default=1,
+    p.add_argument("--rounds", type=positive(int), help="with --timers: interleaved rounds (default: 5, quick mode 3)")
+    p.add_argument("--threads", type=positive(int), default=1,
                    help="with --timers: CPU threads for every timer (default: 1)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
     p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
     p.add_argument("--out", type=Path, default=Path("build"))
-    p.add_argument("--cell-timeout", type=_positive(int), default=900, help="seconds one cell may run")
+    p.add_argument("--cell-timeout", type=positive(int), default=900, help="seconds one cell may run")
     p.set_defaults(run=_course)
 
     p = sub.add_parser("grade", help="grade exercise notebooks, write grades.csv and grades.json", epilog=GRADE_HELP)
     p.add_argument("notebooks", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("grades"))
-    p.add_argument("--time-limit", type=_positive(float), default=600, help="seconds one notebook may run")
+    p.add_argument("--time-limit", type=positive(float), default=600, help="seconds one notebook may run")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("exercises", help="generate exercises/ from solutions/, or check they are in sync")
@@ -173,7 +169,7 @@ def _course(args) -> int:
         print("\n" + stop.done.to_string(index=False))
         print(f"gpulab course: stopped by {stop.signal_name} after {len(stop.done)} of {len(notebooks)} lessons; "
               f"their summary is in {args.out / 'summary.csv'}", file=sys.stderr)
-        return _stopped_status(stop.signal_name)
+        return stopped_status(stop.signal_name)
     print("\n" + table.to_string(index=False))
     failed = (table["status"] != "passed").sum()
     print(f"\n{len(table) - failed} of {len(table)} lessons passed; executed notebooks and HTML in {args.out}/")
@@ -198,7 +194,7 @@ def _grade(args) -> int:
         graded = stop.done["notebook"].nunique()
         print(f"gpulab grade: stopped by {stop.signal_name} after {graded} of {len(args.notebooks)} notebooks; their "
               f"grades are in {args.out}/: grade the others again", file=sys.stderr)
-        return _stopped_status(stop.signal_name)
+        return stopped_status(stop.signal_name)
     _show_grades(grades, args.out)
     seconds, checking = grades.attrs["seconds"], grades.attrs["installation_seconds"]
     print(f"graded {len(args.notebooks)} notebooks in {seconds:.0f} s, {checking:.1f} s of it "

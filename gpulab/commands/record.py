@@ -1,5 +1,5 @@
-"""`gpulab reference record` and `make verify-gpu`: every lesson in full mode on this GPU, its results shipped as
-reference results.
+"""`gpulab reference record`: every lesson in full mode on this GPU, its results shipped as reference results; and
+the shipping (``ship``) and the GPU check (``require_gpu``) that `make verify-gpu` (``commands.verify``) uses.
 
 Anyone with a GPU the course has no rows for (a T4, an L4, an A100, ...) runs this once: each lesson runs in a
 fresh kernel with ``GPULAB_QUICK=0`` and its own results folder, then every results CSV a lesson wrote goes into

@@ -18,3 +18,8 @@ def signals_raise():
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     return signal.signal(signal.SIGTERM, stop) or signal.SIG_DFL
+
+
+def stopped_status(signal_name: str) -> int:
+    """The exit status of a run stopped by ``signal_name`` ("SIGTERM", else Ctrl-C's SIGINT), as a shell reports it."""
+    return 128 + (signal.SIGTERM if signal_name == "SIGTERM" else signal.SIGINT)

@@ -37,7 +37,8 @@ from ..device import DeviceError
 from ..grader.execute import clear_leftovers
 from . import record
 from . import verify_plan as planning
-from .stopping import signals_raise
+from .cli import positive
+from .stopping import signals_raise, stopped_status
 from .verify_jobs import Job, Outcome, run_command, run_lesson, run_many
 from .verify_out import BUNDLE, MONITOR, ROOT, SUMMARY, MonitorLog, log_tail, write_bundle, write_text
 from .verify_plan import H100, PART_CAP_S, RESERVE_S, VERIFY_NAME
@@ -143,7 +144,8 @@ def verify(parts: list[Part], out: Path = Path("build/verify-gpu"), *, budget_s:
     with patch.dict(os.environ, {"GPULAB_QUICK": "0"}):
         os.environ.pop("CI", None)  # restored on leaving: full mode here too (ResultLog rows, traces.record)
         forget()
-        run = _Run(out, environment()["device_name"], budget_s, log)
+        smoke_only = all(p.name == "smoke" for p in parts)  # its bundle unpacks beside a full run's, not over it
+        run = _Run(out, environment()["device_name"], budget_s, log, ROOT + ("-smoke" if smoke_only else ""))
         mon = MonitorLog(out / MONITOR, monitor if monitor is not None else _monitor())
         try:
             clear_leftovers()
@@ -176,7 +178,7 @@ def _smoke(run: "_Run", part: Part, deadline: float, slots: int | None, mon: Mon
 
 def _full(run: "_Run", parts: list[Part], end: float, cap_s: float, mon: MonitorLog, clock) -> None:
     shipped = results.reference(VERIFY_NAME)
-    failed = {row["part"][:2] for row in run.rows if row["phase"] == "smoke" and row["status"] != "passed"}
+    failed = {row["part"][:2] for row in run.rows if row["phase"] == "smoke" and row["status"] not in ("passed", "not run")}
     for part, why in planning.order(parts, run.gpu, shipped, planning.reference_gpus(results.REFERENCE_DIR), failed):
         minutes = planning.expected(part.key, part.name, run.gpu, shipped)
         left = end - clock()
@@ -202,8 +204,8 @@ class _Run:
     """One verification's state: its rows, the files its parts wrote (in a scratch folder), what it shipped; writes
     the output folder after each part."""
 
-    def __init__(self, out: Path, gpu: str, budget_s: float | None, log):
-        self.out, self.gpu, self.budget_s, self.log = out, gpu, budget_s, log
+    def __init__(self, out: Path, gpu: str, budget_s: float | None, log, root: str = ROOT):
+        self.out, self.gpu, self.budget_s, self.log, self.root = out, gpu, budget_s, log, root
         self.scratch = Path(tempfile.mkdtemp(prefix="gpulab-verify-"))
         self.started = datetime.now(timezone.utc)
         self.rows: list[dict] = []
@@ -267,8 +269,12 @@ class _Run:
                 files = [Path(p) for p in table["shipped"] if not str(p).startswith("not shipped")]
             except Exception as err:  # a results file that cannot ship must not stop the parts after it
                 row["detail"] = f"{row['detail']}; not shipped: {type(err).__name__}: {err}".lstrip("; ")
-        self.timings.add(**{k: row[k] for k in ("part", "status", "seconds", "limit_s", "expected_min", "detail")})
-        self.shipped += [*files, _ship_timings(self.timings.path)]
+        self.shipped += files
+        try:  # nor may its minutes
+            self.timings.add(**{k: row[k] for k in ("part", "status", "seconds", "limit_s", "expected_min", "detail")})
+            self.shipped.append(_ship_timings(self.timings.path))
+        except Exception as err:
+            row["detail"] = f"{row['detail']}; minutes not kept: {type(err).__name__}: {err}".lstrip("; ")
         return len(files)
 
     def _env(self, quick: bool, results_dir: Path) -> dict:
@@ -283,7 +289,7 @@ class _Run:
         """Rewrite the summary and the bundle (then the summary again, naming what the bundle left out)."""
         text = self.summary(seconds)
         write_text(self.out / SUMMARY, text)
-        self.left_out = write_bundle(self.out / BUNDLE, self._members(text))
+        self.left_out = write_bundle(self.out / BUNDLE, self._members(text), root=self.root)
         if self.left_out:
             write_text(self.out / SUMMARY, self.summary(seconds))
 
@@ -300,9 +306,9 @@ class _Run:
         for path in dict.fromkeys(self.shipped):
             for file in (path, path.with_suffix(".json")) if path.suffix == ".csv" else (path,):
                 members.append((f"gpulab/reference/{file.name}", file))
-        members += [(f"{ROOT}/{SUMMARY}", summary.encode()),
-                    (f"{ROOT}/summary.csv", self.table().to_csv(index=False).encode()),
-                    (f"{ROOT}/{MONITOR}", self.out / MONITOR)]
+        members += [(f"{self.root}/{SUMMARY}", summary.encode()),
+                    (f"{self.root}/summary.csv", self.table().to_csv(index=False).encode()),
+                    (f"{self.root}/{MONITOR}", self.out / MONITOR)]
         failed = {f"{r['phase']}/{r['part']}" for r in self.rows if r["status"] not in ("passed", "not run")}
 
         def rank(path: Path) -> int:
@@ -317,7 +323,7 @@ class _Run:
                 source = log_tail(path) if path.suffix == ".log" else path
             except OSError:  # gone since it was listed
                 continue
-            members.append((f"{ROOT}/{path.relative_to(self.scratch)}", source))
+            members.append((f"{self.root}/{path.relative_to(self.scratch)}", source))
         return members
 
     def summary(self, seconds: float | None = None) -> str:
@@ -397,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                         "lesson numbers; default: all")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (parts, expected minutes), run nothing")
     parser.add_argument("--out", type=Path, help="the output folder (default: build/verify-gpu, build/verify-gpu-smoke)")
-    parser.add_argument("--budget-min", type=float, help="verify: stop starting parts that do not fit in these "
+    parser.add_argument("--budget-min", type=positive(float), help="verify: stop starting parts that do not fit in these "
                         "minutes, and return before them (default: no budget, the whole course)")
-    parser.add_argument("--part-limit-min", type=float, default=PART_CAP_S / 60, help="no part runs longer")
+    parser.add_argument("--part-limit-min", type=positive(float), default=PART_CAP_S / 60, help="no part runs longer")
     parser.add_argument("--gpu", help="with --dry-run: the GPU class to plan for (default: this GPU, else an H100)")
     args = parser.parse_intermixed_args(argv)  # parts before or after the options
     notebooks = sorted(Path("notebooks").glob("*.ipynb"))
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:
         print(f"python -m gpulab.commands.verify: stopped by {str(stop) or 'Ctrl-C'}; what finished is in {out}/",
               file=sys.stderr)
-        return 130
+        return stopped_status(str(stop))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -20,14 +20,15 @@ BUNDLE, SUMMARY, MONITOR = "verify-gpu.tar.gz", "summary.txt", "monitor.csv"
 MAX_FILES = 8
 FILE_LIMIT = 16 * 2**20
 LOG_TAIL = 2**20  # bytes of a log kept in the bundle: its end, where it says what went wrong
-ROOT = "build/verify-gpu"  # where the run's own files go in the bundle
+ROOT = "build/verify-gpu"  # where the run's own files go in the bundle (a smoke run's: build/verify-gpu-smoke)
 STOP_S = 5.0  # how long the run waits for the monitor to stop
 _MARGIN = 64 * 2**10  # the tar's end blocks and padding, the list of what was left out, gzip's worst case
 
 
-def write_bundle(path: Path, members: list[tuple[str, Path | bytes]], limit: int = FILE_LIMIT) -> list[str]:
+def write_bundle(path: Path, members: list[tuple[str, Path | bytes]], limit: int = FILE_LIMIT,
+                 root: str = ROOT) -> list[str]:
     """Write ``members`` (name in the archive, a file or its bytes), in their order, to the .tar.gz ``path``,
-    leaving out each that would take the archive past ``limit`` bytes; then ``ROOT/left-out.txt`` naming those.
+    leaving out each that would take the archive past ``limit`` bytes; then ``root/left-out.txt`` naming those.
     The size is bounded before compression (a tar member takes its 512-byte blocks; gzip adds at most 0.1 %), so
     the archive stays under ``limit`` whatever its files hold. Written whole, then moved into place. Returns the
     names left out."""
@@ -50,7 +51,7 @@ def write_bundle(path: Path, members: list[tuple[str, Path | bytes]], limit: int
         if left_out:
             note = ("Left out of this bundle to keep it under "
                     f"{limit / 2**20:g} MiB:\n" + "\n".join(left_out) + "\n").encode()[:_MARGIN // 2]
-            _add(tar, f"{ROOT}/left-out.txt", note)
+            _add(tar, f"{root}/left-out.txt", note)
     partial.replace(path)
     return left_out
 

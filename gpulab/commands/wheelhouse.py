@@ -17,7 +17,7 @@ already has torch, numpy, pandas and matplotlib. Packages "counted as present" a
 dependencies, version ``<declared floor>+present``) that only the resolver sees: PyPI refuses local versions, so
 nothing real can match them, and none of them is ever written into the wheelhouse.
 
-Run as ``python -m gpulab.commands.wheelhouse build|check`` (``make wheelhouse``, ``make wheelhouse-check``).
+Run as ``python -m gpulab.commands.wheelhouse build|check`` (``make wheelhouse`` builds, then checks).
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Lesson 00 (setup and diagnostics): devices, matmul throughput, the CPU/GPU crossover, bf16.
 
-What the checks of lessons 00-04 share (running a learner's code on a GPU, or on a stand-in for it where there is
+What the checks of lessons 00, 01, 02 and 04 share (running a learner's code on a GPU, or on a stand-in for it where there is
 none) is in ``stand_in``.
 """
 

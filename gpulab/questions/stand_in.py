@@ -1,4 +1,4 @@
-"""What the checks of lessons 00-04 share: running a learner's code on the GPU or, on a machine without one, on a
+"""What the checks of lessons 00, 01, 02 and 04 share: running a learner's code on the GPU or, on a machine without one, on a
 stand-in for it (``gpu_run``: the meta device plays the GPU, every read back to the host is recorded), so that a
 mistake which only shows on a GPU shows here too; a virtual clock (``virtual_clock``) that a timing answer cannot
 read around; and the small judgements they all make (``positive``, ``ratio_is``, ``where``).
