@@ -147,8 +147,8 @@ def _constants(device: torch.device, mean: tuple, std: tuple) -> tuple[torch.Ten
 
 
 def lr_at(step: int, total_steps: int, peak: float) -> float:
-    """The recipe's learning rate at ``step`` of ``total_steps``: a linear warm-up over the first ``WARMUP`` share of the steps to
-    ``peak``, then a linear fall to zero (the one-cycle shape the speedruns use)."""
+    """The recipe's learning rate at ``step`` of ``total_steps``: a linear warm-up to ``peak`` over the first
+    ``WARMUP`` share of the steps, then a linear fall to zero (the one-cycle shape the speedruns use)."""
     warmup = max(1, round(WARMUP * total_steps))
     if step < warmup:
         return peak * (step + 1) / warmup

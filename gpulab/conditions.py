@@ -14,8 +14,7 @@ time are compared over the span itself.
 A number measured at a power limit is normal for long, dense work (a large matmul holds any GPU at its limit), so
 the caveat says what was seen; only a machine that was busy with other work (more threads wanting to run than the
 CPU has cores) gets the advice to measure again on a quiet machine, and a GPU slowed for heat the advice to check
-its cooling (``advice``). ``gpulab.ResultLog`` records the
-state and the caveats beside each row.
+its cooling (``advice``). ``gpulab.ResultLog`` records the state and the caveats beside each row.
 
 The load average is the whole machine's (in a container often the host's), averaged over the last minute, and
 it counts the measurement's own threads; it is a hint, not proof. NVML is started once and kept open (see

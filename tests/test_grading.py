@@ -51,13 +51,6 @@ def test_lesson_is_read_from_the_name():
     assert lesson_of("homework.ipynb") is None
 
 
-def test_solutions_get_full_marks():
-    grades = grade(SOLUTIONS)
-    failed = grades[~grades["passed"]]
-    assert failed.empty, failed.to_string()
-    assert set(grades["notebook"]) == {str(p) for p in SOLUTIONS}
-
-
 def test_blank_exercises_get_zero_with_a_friendly_message():
     grades = grade(EXERCISES)
     assert (grades["points"] == 0).all()

@@ -1,7 +1,7 @@
 """The notebooks themselves: stored clean, same setup cell, exercises generated from solutions.
 
 Executing them is nbval's job for the lessons (`pytest --nbval-lax notebooks`, as `make test` does) and the grader's for the
-solutions (test_grading.py).
+solutions (test_grading_solutions.py).
 """
 
 import re

@@ -1,0 +1,15 @@
+"""The grader gives every solution notebook full marks. Each runs in a fresh kernel, as a class's notebook would: a
+cell that fails (a deprecation warning too, under GPULAB_STRICT_WARNINGS) zeroes it, so this is also the run of the
+solutions that CI makes. A module of its own: the longest grading test, so that a second pytest worker can take it
+beside the other grading tests."""
+
+from gpulab.grader.grading import grade
+
+from .test_grading import SOLUTIONS, installed  # noqa: F401 — the graded kernels import a copy of gpulab
+
+
+def test_solutions_get_full_marks():
+    grades = grade(SOLUTIONS)
+    failed = grades[~grades["passed"]]
+    assert failed.empty, failed.to_string()
+    assert set(grades["notebook"]) == {str(p) for p in SOLUTIONS}
