@@ -17,6 +17,10 @@ class DeviceError(ValueError):
     """A device was asked for that does not exist here."""
 
 
+# The card a test's CUDA stand-in plays on this CPU (tests/cuda_stand_in.py sets it; nothing else does).
+STAND_IN: str | None = None
+
+
 def get_device(spec: str | torch.device | None = None) -> torch.device:
     """The device to use: ``spec`` if given (checked), else ``$GPULAB_DEVICE``, else CUDA if present, else CPU."""
     spec = spec if spec is not None else os.environ.get("GPULAB_DEVICE") or (
@@ -40,10 +44,21 @@ def get_device(spec: str | torch.device | None = None) -> torch.device:
     return device
 
 
+def on_gpu(device: str | torch.device | int | None = None) -> bool:
+    """Whether work on ``device`` (default: the course's device; an int is a CUDA index) runs on a CUDA GPU: the one
+    question the package and the lessons ask before a call only a GPU has (events, streams, allocator statistics,
+    NVML, CUDA graphs). Under a test's CUDA stand-in the CPU answers yes, so that the code around those calls runs on
+    a CPU too (the stand-in proves that code, never the GPU)."""
+    if device is None:
+        device = get_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return device.type == "cuda" or (STAND_IN is not None and device.type == "cpu")
+
+
 def sync(device: str | torch.device | None = None) -> None:
     """Wait until all queued work on ``device`` has finished (a no-op on the CPU)."""
     device = torch.device(device) if device is not None else get_device()
-    if device.type == "cuda":
+    if on_gpu(device):
         torch.cuda.synchronize(device)
 
 
@@ -98,7 +113,7 @@ class DeviceInfo:
             "L2 cache": f"{self.l2_cache_mb:.0f} MB" if self.l2_cache_mb else None,
             "tensor cores / TF32 / native bf16": (
                 f"{_yes(self.tensor_cores)} / {_yes(self.tf32)} / {_yes(self.bf16_native)}"
-                if self.device.startswith("cuda") else None
+                if self.compute_capability else None
             ),
             "PCIe link": self.pcie,
             "torch / CUDA / cuDNN": f"{self.torch_version} / {self.cuda_version} / {self.cudnn_version}",
@@ -119,11 +134,11 @@ def device_info(device: str | torch.device | None = None) -> DeviceInfo:
     device = get_device(device)
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     common = dict(torch_version=torch.__version__, cuda_version=torch.version.cuda, cudnn_version=cudnn)
-    if device.type != "cuda":
+    if not on_gpu(device):
         return DeviceInfo(device="cpu", name=_cpu_name(), **common)
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
-    driver, pcie = _nvml_facts(device.index)
+    driver, pcie = _nvml_facts(device.index or 0)
     return DeviceInfo(
         device=str(device),
         name=props.name,

@@ -18,7 +18,7 @@ import torch
 
 from . import conditions
 from .conditions import Conditions
-from .device import device_info, get_device
+from .device import device_info, get_device, on_gpu
 
 CACHES = ("warm", "cold")
 
@@ -106,7 +106,7 @@ def bench(
     label = label or getattr(fn, "__name__", "fn")
     stmt = "fn(*args, **kwargs)" if args or kwargs else "fn()"
     # The clock waits for the GPU measured (cuda:1 is not waited for by a synchronize of the current device).
-    clock = functools.partial(synced_clock, device) if device.startswith("cuda") else synced_clock
+    clock = functools.partial(synced_clock, device)
     timer = timeit.Timer(stmt, timer=clock, globals={"fn": fn, "args": args, "kwargs": kwargs})
 
     previous = torch.get_num_threads()
@@ -140,10 +140,10 @@ def synced_clock(device: str | torch.device | int | None = None) -> float:
     """
     if device is not None:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if device.type != "cuda":
-            return time.perf_counter()
-    if torch.cuda.is_available():
-        for index in [device] if device is not None else used_gpus():
+        if on_gpu(device):
+            torch.cuda.synchronize(device)
+    elif on_gpu():
+        for index in used_gpus():
             torch.cuda.synchronize(index)
     return time.perf_counter()
 
@@ -186,7 +186,7 @@ def _sized_block(timer: timeit.Timer, target: float) -> tuple[int, float]:
 
 def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | None, min_time: float) -> list[float]:
     """One call per run, each after ``flush()``: ``repeats`` runs, or as many as fit in about ``min_time``."""
-    cuda = device.startswith("cuda")
+    cuda = on_gpu(device)
     stream = torch.cuda.current_stream(device) if cuda else None  # the measured GPU's stream, not the current GPU's
     times, events, start = [], [], time.perf_counter()
     for run in range(repeats or MAX_RUNS):
@@ -213,7 +213,7 @@ def _cache_flush(device: str):
     The GPU's L2 (at least 256 MiB written, as triton does), or the CPU's last-level cache (256 MiB where
     the operating system does not say its size).
     """
-    if device.startswith("cuda"):
+    if on_gpu(device):
         l2_mb = device_info(device).l2_cache_mb or 0
         nbytes = max(256 * 2**20, int(2 * l2_mb * 1e6))
     else:

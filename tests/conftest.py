@@ -55,3 +55,26 @@ def checker_values() -> list:
                     values += value.values()
         frame = frame.f_back
     return values
+
+
+@pytest.fixture
+def cuda_stand_in():
+    """The CPU plays an NVIDIA H200 for the test (tests/cuda_stand_in.py: proves the code around torch.cuda's calls,
+    never the GPU)."""
+    from .cuda_stand_in import installed
+
+    with installed("NVIDIA H200") as gpu:
+        yield gpu
+
+
+@pytest.fixture(params=["cpu", "cuda stand-in"])
+def course_device(request):
+    """The device-generic pattern: the test runs on the CPU, then on the CPU playing an NVIDIA H200 (its GPU branches).
+    Yields the device to pass; ``gpulab.device.on_gpu`` tells the two apart."""
+    if request.param == "cpu":
+        yield torch.device("cpu")
+        return
+    from .cuda_stand_in import installed
+
+    with installed("NVIDIA H200"):
+        yield torch.device("cpu")

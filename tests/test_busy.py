@@ -25,13 +25,6 @@ def test_the_busy_share_is_kernel_time_over_the_profiled_steps_window():
     assert row["kernel_busy"] == measured.kernel_share and math.isnan(row["nvml_util"])
 
 
-def test_on_a_cpu_nothing_runs_and_the_reason_is_given():
-    calls = []
-    measured = busy.measure(lambda: calls.append(1), label="cpu run", device="cpu")
-    assert calls == [] and math.isnan(measured.kernel_share) and "no GPU" in measured.note
-    assert str(measured) == "cpu run: GPU busy not measured (no GPU here: the busy share is a GPU's)"
-
-
 class FakeGpm:
     """nvidia-ml-py's GPM calls on a GPU that offers them (``supported``) with an SM activity of ``value`` %."""
 

@@ -82,7 +82,7 @@ class FakeClock:
     def __init__(self, read_cost: float):
         self.now, self.read_cost = 0.0, read_cost
 
-    def __call__(self) -> float:
+    def __call__(self, device=None) -> float:  # as timing.synced_clock, which it stands in for
         self.now += self.read_cost / 2
         reading = self.now
         self.now += self.read_cost / 2

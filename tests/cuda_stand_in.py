@@ -1,0 +1,277 @@
+"""A CPU that plays a named CUDA GPU, so that the course's GPU branches run in the CPU's tests (PyTorch's
+device-generic pattern: one test, run on the CPU and on this stand-in).
+
+It proves the Python around torch's CUDA calls: which calls the code makes, in which order, with which arguments, and
+what it does with their answers. It never proves the GPU: kernels run on the CPU, events read the host clock, the
+allocator's statistics count the tensors made while it is installed (``gpulab.memory.MemoryTracker``), and the card's
+properties are its datasheet's. What no CPU can run (CUDA graph capture, real overlap, NVML's real values, ...) is
+listed in ``tests/test_gpu_only_surface.py``: the next GPU run confirms it.
+
+While installed:
+- ``gpulab.device.on_gpu`` answers yes for the CPU (``gpulab.device.STAND_IN`` names the card); tensors stay on the CPU
+  and ``torch.cuda.is_available()`` keeps saying what the machine has;
+- ``torch.cuda`` answers the calls the course makes as that card would: ``Event`` on the host clock, ``Stream``,
+  ``stream``, ``current_stream`` and ``default_stream`` (a CPU runs each operation as it is called: there is no queue),
+  ``synchronize``, the card's ``get_device_properties``/``get_device_name``/``get_device_capability``,
+  ``is_bf16_supported``, ``device_count`` 1, the allocator's statistics and ``mem_get_info`` from the tracker (with
+  ``set_per_process_memory_fraction`` as its budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``;
+- ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so; ``record_stream`` takes a stream;
+- ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
+  replay a graph, and a test must not pretend it did.
+
+    with installed("NVIDIA H200") as gpu:   # in a test (the fixture ``cuda_stand_in``)
+        ...
+    install("NVIDIA H200")                  # in a notebook kernel: until the process ends
+"""
+
+import threading
+import time
+import weakref
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+import gpulab.device
+from gpulab import nvml
+from gpulab.memory import MemoryTracker
+
+SEGMENT = 2 * 2**20  # the caching allocator reserves memory in segments of 2 MiB (large blocks)
+
+
+class GpuOnly(RuntimeError):
+    """A call only a real GPU can answer (graph capture, the allocator's history), made under the stand-in."""
+
+
+@dataclass(frozen=True)
+class Card:
+    """The device properties torch reports for one card (``torch.cuda.get_device_properties``)."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int  # bytes, as CUDA reports them (NVML's total is larger: the driver keeps some)
+    multi_processor_count: int
+    L2_cache_size: int  # bytes
+    pci_bus_id: int = 6
+    pci_domain_id: int = 0
+    pci_device_id: int = 0
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+    max_threads_per_multi_processor: int = 2048
+    warp_size: int = 32
+    gcnArchName: str = "NVIDIA CUDA"
+
+
+CARDS = {card.name: card for card in (
+    # torch's total_memory as lesson 00 printed it on 2026-11-28 (150.1 GB); 132 SMs, 60 MiB of L2 ("63 MB")
+    Card("NVIDIA H200", 9, 0, 150_110_000_000, 132, 60 * 2**20),
+    Card("NVIDIA H100 80GB HBM3", 9, 0, 84_930_000_000, 132, 50 * 2**20),
+    Card("Tesla T4", 7, 5, 15_830_000_000, 40, 4 * 2**20),
+)}
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on the host clock: ``record`` reads it; ``elapsed_time`` is in milliseconds, and raises
+    as torch does for an event not recorded or made without ``enable_timing``."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing, self.at = enable_timing, None
+
+    def record(self, stream=None) -> None:
+        _check_stream(stream)
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.at is None or end.at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end.at - self.at) * 1e3
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        _check_stream(stream)
+
+
+class HostStream:
+    """``torch.cuda.Stream``: a CPU runs each operation as it is called, so every wait is already over."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device, self.priority = torch.device("cpu"), priority
+
+    def wait_stream(self, stream) -> None:
+        _check_stream(stream)
+
+    def wait_event(self, event) -> None:
+        if not isinstance(event, HostEvent):
+            raise TypeError(f"wait_event() takes a torch.cuda.Event, got {type(event).__name__}")
+
+    def record_event(self, event=None) -> HostEvent:
+        event = event or HostEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _check_stream(stream) -> None:
+    if stream is not None and not isinstance(stream, HostStream):
+        raise TypeError(f"expected a torch.cuda.Stream, got {type(stream).__name__}")
+
+
+@dataclass
+class StandIn:
+    """The installed stand-in: the card it plays and what its allocator has counted."""
+
+    card: Card
+    tracker: MemoryTracker = field(default_factory=MemoryTracker)
+    reserved: int = 0
+    reserved_peak: int = 0
+    sync_debug_mode: int = 0
+    default: HostStream = field(default_factory=HostStream)
+    _current: threading.local = field(default_factory=threading.local)
+    _pinned: dict = field(default_factory=dict)  # id -> weak reference, of the tensors pin_memory made
+
+    # ---- streams
+    def current_stream(self, device=None) -> HostStream:
+        return getattr(self._current, "stream", self.default)
+
+    @contextmanager
+    def stream(self, stream):
+        _check_stream(stream)
+        before = self.current_stream()
+        self._current.stream = stream or before
+        try:
+            yield
+        finally:
+            self._current.stream = before
+
+    # ---- the caching allocator, counted by the tracker
+    def allocated(self, device=None) -> int:
+        return self.tracker.current
+
+    def reserved_now(self, device=None) -> int:
+        self.reserved = max(self.reserved, _segments(self.tracker.current))
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        return self.reserved
+
+    def reset_peak(self, device=None) -> None:
+        self.tracker.reset_peak()
+        self.reserved_peak = self.reserved_now()
+
+    def empty_cache(self) -> None:
+        self.reserved = _segments(self.tracker.current)
+
+    def stats(self, device=None) -> dict:
+        reserved = self.reserved_now()
+        return {"allocated_bytes.all.current": self.tracker.current, "allocated_bytes.all.peak": self.tracker.peak,
+                "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": self.reserved_peak,
+                "active_bytes.all.current": self.tracker.current, "num_alloc_retries": 0, "num_ooms": 0,
+                "num_device_alloc": 0, "num_device_free": 0}
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return self.card.total_memory - self.reserved_now(), self.card.total_memory
+
+    def set_memory_fraction(self, fraction: float, device=None) -> None:
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.tracker.budget = fraction * self.card.total_memory
+
+    # ---- pinned host memory
+    def pin_memory(self, tensor: torch.Tensor, device=None) -> torch.Tensor:
+        if self.is_pinned(tensor):
+            return tensor
+        pinned = tensor.clone()
+        key = id(pinned)
+        self._pinned[key] = weakref.ref(pinned, lambda _: self._pinned.pop(key, None))
+        return pinned
+
+    def is_pinned(self, tensor: torch.Tensor, device=None) -> bool:
+        held = self._pinned.get(id(tensor))
+        return held is not None and held() is tensor
+
+
+def _segments(nbytes: int) -> int:
+    return -(-nbytes // SEGMENT) * SEGMENT
+
+
+def _gpu_only(what: str):
+    def refuse(*args, **kwargs):
+        raise GpuOnly(f"{what} needs a real GPU: the CUDA stand-in runs the code around it, never this call")
+    return refuse
+
+
+def _patches(gpu: StandIn) -> dict:
+    """``torch.cuda``'s attributes the stand-in replaces, and what with."""
+    card = gpu.card
+    properties = SimpleNamespace(**asdict(card))
+    return {
+        "Event": HostEvent, "Stream": HostStream, "stream": gpu.stream, "current_stream": gpu.current_stream,
+        "default_stream": lambda device=None: gpu.default, "synchronize": lambda device=None: None,
+        "device_count": lambda: 1, "current_device": lambda: 0, "set_device": lambda device: None,
+        "get_device_properties": lambda device=None: properties, "get_device_name": lambda device=None: card.name,
+        "get_device_capability": lambda device=None: (card.major, card.minor),
+        "is_bf16_supported": lambda including_emulation=True: (card.major, card.minor) >= (8, 0),
+        "memory_allocated": gpu.allocated, "max_memory_allocated": lambda device=None: gpu.tracker.peak,
+        "memory_reserved": gpu.reserved_now, "max_memory_reserved": lambda device=None: gpu.reserved_peak,
+        "reset_peak_memory_stats": gpu.reset_peak, "empty_cache": gpu.empty_cache, "memory_stats": gpu.stats,
+        "mem_get_info": gpu.mem_get_info, "set_per_process_memory_fraction": gpu.set_memory_fraction,
+        "memory_snapshot": lambda: [], "get_allocator_backend": lambda: "native",
+        "set_sync_debug_mode": lambda mode: setattr(gpu, "sync_debug_mode", mode),
+        "get_sync_debug_mode": lambda: gpu.sync_debug_mode,
+        "CUDAGraph": _gpu_only("torch.cuda.CUDAGraph (capture and replay)"),
+        "graph": _gpu_only("torch.cuda.graph (capture)"),
+        "make_graphed_callables": _gpu_only("torch.cuda.make_graphed_callables"),
+    }
+
+
+@contextmanager
+def installed(card: str = "NVIDIA H200"):
+    """The stand-in playing ``card`` for the block; yields the ``StandIn``."""
+    gpu = StandIn(CARDS[card])
+    with ExitStack() as stack:
+        for name, value in _patches(gpu).items():
+            stack.enter_context(mock.patch.object(torch.cuda, name, value, create=True))
+        for name, value in {"_record_memory_history": _gpu_only("the allocator's history"),
+                            "_snapshot": _gpu_only("the allocator's snapshot"),
+                            "_dump_snapshot": _gpu_only("the allocator's snapshot")}.items():
+            stack.enter_context(mock.patch.object(torch.cuda.memory, name, value))
+        stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", lambda t, device=None: gpu.pin_memory(t)))
+        stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: gpu.is_pinned(t)))
+        stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda tensor, stream: _check_stream(stream)))
+        stack.enter_context(mock.patch.object(gpulab.device, "STAND_IN", card))
+        stack.callback(_forget_device_facts)
+        _forget_device_facts()
+        stack.enter_context(gpu.tracker)
+        yield gpu
+
+
+def _forget_device_facts() -> None:
+    """Facts cached about the device and NVML sessions belong to whichever device was there when they were read."""
+    gpulab.device.device_info.cache_clear()
+    nvml.close_shared()
+
+
+_kept = []
+
+
+def install(card: str = "NVIDIA H200") -> StandIn:
+    """The stand-in playing ``card`` until this process ends (a notebook kernel's first cell)."""
+    stack = ExitStack()
+    gpu = stack.enter_context(installed(card))
+    _kept.append(stack)
+    return gpu
+
