@@ -7,14 +7,15 @@ import warnings
 import torch
 
 from .comparison import Comparison, compare
-from .device import device_info, get_device, sync
+from .device import device_info, get_device, on_gpu, sync
 from .mode import by_mode, quick_mode
 from .results import ResultLog, reference, reference_for, reference_provenance, results_dir
 from .timing import Measurement, bench
 
 __version__ = "0.1.0"
 __all__ = [
-    "Comparison", "Measurement", "ResultLog", "bench", "by_mode", "compare", "device_info", "get_device", "quick_mode",
+    "Comparison", "Measurement", "ResultLog", "bench", "by_mode", "compare", "device_info", "get_device", "on_gpu",
+    "quick_mode",
     "reference", "reference_for", "reference_provenance", "setup", "sync",
 ]
 

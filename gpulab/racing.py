@@ -138,12 +138,16 @@ class Path:
     faster beyond the noise and ``judge`` has nothing against it. ``row(result, options)`` gives the step's measured
 columns (``options``: the candidate's whole configuration).
     ``rows`` holds one row per step (and per retry), ``results`` each race's result by step, ``current`` the
-    configuration kept so far (its options may be None: the starting job, written out apart)."""
+    configuration kept so far (its options may be None: the starting job, written out apart). ``log(row, result)``,
+    where given, is called as each verdict is given (``result``: None for a step that did not run), so that a run cut
+    off keeps every verdict it gave; ``running`` names the step being raced now (None between steps)."""
 
     run: Callable[[tuple, tuple], object]
     judge: Callable[[object], str | None]
     row: Callable[[object, dict], dict] = lambda result, options: {}
     current: tuple = ("baseline", None)
+    log: Callable[[dict, object], None] | None = None
+    running: str | None = None
     rows: list = field(default_factory=list)
     results: dict = field(default_factory=dict)
     _dropped: list = field(default_factory=list)  # (name, options, kept steps since): steps dropped for their speed
@@ -158,7 +162,7 @@ columns (``options``: the candidate's whole configuration).
         """Race ``name`` (the kept configuration with ``options`` switched on) against the kept configuration;
         ``not_here`` names why it cannot run on this machine (the row says so, nothing runs)."""
         if not_here:
-            return self._add({"step": name, "kept": False, "note": not_here})
+            return self._add({"step": name, "kept": False, "note": not_here}, None)
         row = self._try(name, options)
         if row["note"] in (SLOWER_HERE, WITHIN_NOISE):
             self._dropped.append((name, options, len(self._kept_names())))
@@ -176,14 +180,16 @@ columns (``options``: the candidate's whole configuration).
             if undone:
                 rows.append(self._add({"step": f"{name} (again)", "kept": False,
                                        "note": f"not retried: {', '.join(sorted(set(undone.values())))} set "
-                                               f"{', '.join(sorted(undone))} since"}))
+                                               f"{', '.join(sorted(undone))} since"}, None))
                 continue
             rows.append(self._try(f"{name} (again)", options))
         return rows
 
     def _try(self, name: str, options: dict) -> dict:
         candidate = (name, {**(self.current[1] or {}), **options})
+        self.running = name
         result = self.results[name] = self.run(self.current, candidate)
+        self.running = None
         c, missed = result.comparison, self.judge(result)
         kept = c.verdict == "faster" and missed is None
         note = KEPT if kept else missed or (WITHIN_NOISE if c.verdict == "within noise" else SLOWER_HERE)
@@ -194,11 +200,13 @@ columns (``options``: the candidate's whole configuration).
             self.current = candidate
             self._kept[name] = candidate[1]
             self._set_by.update(dict.fromkeys(options, name))
-        return self._add(row)
+        return self._add(row, result)
 
     def _kept_names(self) -> list[str]:
         return [r["step"] for r in self.rows if r.get("kept")]
 
-    def _add(self, row: dict) -> dict:
+    def _add(self, row: dict, result) -> dict:
         self.rows.append(row)
+        if self.log:
+            self.log(row, result)
         return row

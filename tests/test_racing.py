@@ -153,3 +153,26 @@ def test_any_judge_of_quality_decides_with_the_speed_up():
                 row=lambda r, options: {"loss_gap": r.loss_gap, **options}, current=("naive fp32", {}))
     assert path.step("same", {"a": 1})["note"] == "kept" and path.rows[0]["loss_gap"] == 0.01 == path.rows[0]["a"] * 0.01
     assert path.step("differs", {"b": 1})["note"] == "loss differs" and path.current[0] == "same"
+
+
+def test_each_verdict_is_logged_as_it_is_given_so_a_run_cut_off_keeps_what_it_decided():
+    """The 2026-11-28 H200 run was stopped inside both lessons' waterfalls, which logged their rows after the loop:
+    every verdict was lost. Path logs each row when its verdict is given, and names the step racing now."""
+    logged, seen_running = [], []
+
+    def run(current, candidate):
+        seen_running.append(path.running)
+        if candidate[0] == "hangs":
+            raise KeyboardInterrupt  # the verification's time limit stops the kernel here
+        return {"fast": raced(2.0, 0.95), "slow": raced(0.5, 0.95)}[candidate[0]]
+
+    target = AccuracyTarget(margin=0.0, value=0.9)
+    path = Path(run, judge=target, row=target.row, current=("naive", None), log=lambda row, result: logged.append(
+        (row["step"], row["note"], result is not None)))
+    path.step("fast", {"fast": 1})
+    path.step("CUDA graphs", {"graph": 1}, not_here="CUDA only")
+    path.step("slow", {"slow": 1})
+    with pytest.raises(KeyboardInterrupt):
+        path.step("hangs", {"hangs": 1})
+    assert logged == [("fast", "kept", True), ("CUDA graphs", "CUDA only", False), ("slow", "slower here", True)]
+    assert seen_running == ["fast", "slow", "hangs"] and path.running == "hangs"
