@@ -1,12 +1,12 @@
 """Quick mode: small sizes and few repetitions, for CPUs and CI.
 
-Quick mode is on when there is no CUDA device, or when ``CI`` or ``GPULAB_QUICK`` is set.
+Quick mode is on when the course's device is not a GPU (``gpulab.on_gpu``), or when ``CI`` or ``GPULAB_QUICK`` is set.
 ``GPULAB_QUICK=0`` forces full mode (a full run on a GPU machine that sets ``CI``).
 """
 
 import os
 
-import torch
+from .device import on_gpu
 
 _OFF = {"0", "false", "no", "off"}
 
@@ -16,7 +16,7 @@ def quick_mode() -> bool:
     flag = os.environ.get("GPULAB_QUICK")
     if flag is not None and flag.strip() != "":
         return flag.strip().lower() not in _OFF
-    return bool(os.environ.get("CI")) or not torch.cuda.is_available()
+    return bool(os.environ.get("CI")) or not on_gpu()
 
 
 def by_mode(full, quick):
