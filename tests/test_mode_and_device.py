@@ -76,3 +76,26 @@ def test_setup_says_one_mode_and_where_results_go(capsys, monkeypatch, tmp_path,
     other = {"quick": "full", "full": "quick"}[mode]
     assert f"mode: {mode}" in out and f"in {mode} mode" in out and other not in out.replace("GPULAB_QUICK", "")
     assert f"Results are written to {tmp_path / 'mine'}" in out
+
+
+def test_the_one_device_predicate_follows_the_device_and_the_stand_in(course_device):
+    played = gpulab.device.STAND_IN is not None
+    assert gpulab.on_gpu(course_device) is played and gpulab.on_gpu() is played
+    assert gpulab.on_gpu("cuda:1") and gpulab.on_gpu(0) and not gpulab.on_gpu("meta")
+
+
+def test_device_facts_on_the_cpu_and_on_a_card_the_stand_in_plays(course_device):
+    info = device_info(course_device)
+    if gpulab.on_gpu(course_device):
+        assert (info.name, info.compute_capability, info.sm_count) == ("NVIDIA H200", (9, 0), 132)
+        assert info.bf16_native and info.tf32 and info.tensor_cores and info.memory_gb == pytest.approx(150.11)
+        assert "tensor cores / TF32 / native bf16  yes / yes / yes" in str(info)
+    else:
+        assert info.compute_capability is None and "tensor cores" not in str(info)
+
+
+def test_sync_waits_for_the_gpu_only_where_there_is_one(course_device, monkeypatch):
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    gpulab.sync(course_device)
+    assert waited == ([course_device] if gpulab.on_gpu(course_device) else [])
