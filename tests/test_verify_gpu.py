@@ -24,6 +24,8 @@ from gpulab.commands.verify_plan import H100, estimate
 from .conftest import ROOT
 
 WARNINGS_FIXTURE = ROOT / "tests" / "data" / "verify" / "h200_quick_warnings.ipynb"  # real outputs, H200 quick run
+H200_RUN = ROOT / "tests" / "data" / "verify" / "2026-11-28-h200"  # lessons 08 and 09 in full mode on an H200
+KERNEL_DIED = "the kernel died (os._exit, a crash, or out of memory)"  # what execute.run says of a dead kernel
 
 
 def _notebook(path: Path, *sources: str) -> Path:
@@ -171,6 +173,31 @@ def test_the_smoke_run_then_the_parts_in_order_of_need_each_only_where_it_fits(t
     assert calls[0][0] == "00_setup"
 
 
+def test_the_next_run_on_the_h200_starts_with_what_broke_there_and_ships_what_it_found(tmp_path, on_a_gpu, monkeypatch):
+    monkeypatch.setattr(results, "environment", lambda device=None: {
+        "schema": 1, "host": "h", "device": "cuda:0", "device_name": "NVIDIA H200", "driver": "1.0", "torch": "2.x",
+        "cuda": "12", "quick": False})
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    pd.concat([results.load(H200_RUN / part / "verify_gpu.csv") for part in ("full-08", "full-09")]).to_csv(
+        reference / f"{planning.VERIFY_NAME}.csv", index=False)  # the rows shipped from 2026-11-28
+    clock, calls = FakeClock(), []
+    _fake_runs(monkeypatch, clock, {("00_setup", "quick"): 20, ("08_capstone", "quick"): 20,
+                                    ("09_transformers", "quick"): 20, ("08_capstone", "full"): 150,
+                                    ("09_transformers", "full"): 100, ("00_setup", "full"): 20}, calls)
+    notebooks = [tmp_path / f"{stem}.ipynb" for stem in ("00_setup", "08_capstone", "09_transformers")]
+    parts = verify.verify_parts(notebooks, ["smoke", "00", "08", "09"], tests=tmp_path)
+    verify.verify(parts, tmp_path / "out", budget_s=9 * 60, slots=3, monitor=FakeMonitor(), clock=clock,
+                  log=lambda *a: None)
+    # after the smoke run (60 s on this clock): 08, which timed out last time, then 09, which failed, each stopped by
+    # the budget's end (540 s less 10 s for the last files and 35 s to end it) before its own 8 and 6 minutes; then 00
+    assert [call for call in calls if call[1] == "full"] == [("08_capstone", "full", 435), ("09_transformers", "full", 285),
+                                                             ("00_setup", "full", 90)]
+    timed = results.reference(planning.VERIFY_NAME).set_index("part")
+    assert timed["status"].to_dict() == {"08_capstone": "passed", "09_transformers": "passed", "00_setup": "passed"}
+    assert planning.expected("08", "08_capstone", "NVIDIA H200", results.reference(planning.VERIFY_NAME)).measured
+
+
 def test_a_part_that_hangs_and_a_monitor_that_never_stops_do_not_hold_the_run_past_its_budget(tmp_path, on_a_gpu,
                                                                                                monkeypatch):
     monkeypatch.setattr(planning, "PLANNED", {"08": estimate(2.0, "c"), "bench": estimate(0.5, "b")})
@@ -270,13 +297,46 @@ def test_a_lesson_past_its_limit_is_stopped_and_keeps_the_cells_that_ran(tmp_pat
     out = tmp_path / "out"
     table = verify.verify(verify.verify_parts([slow], ["02"]), out, part_cap_s=45, monitor=FakeMonitor(),
                           log=lambda *a: None)
-    assert table["status"].tolist() == ["timed out"]  # the cell sleeps 600 s: it was stopped
-    assert table.loc[0, "detail"].startswith("stopped at its 0.8-minute limit")
+    assert table["status"].tolist() == ["timed out"]  # the cell sleeps 600 s: it was stopped, its kernel did not die
+    assert table.loc[0, "detail"] == "stopped at its 0.8-minute limit while code cell 2 ran"
     with tarfile.open(out / verify_out.BUNDLE) as tar:
         executed = nbformat.reads(tar.extractfile("build/verify-gpu/full/02_slow.ipynb").read().decode(), as_version=4)
         assert "build/verify-gpu/full/02_slow.kernel.log" in tar.getnames()
     assert executed.cells[0].outputs[0]["text"] == "started\n" and not executed.cells[2].get("outputs")
     assert results.reference(planning.VERIFY_NAME)["status"].tolist() == ["timed out"]  # its minutes, for the plan
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_lesson_stopped_at_its_limit_says_so_and_a_kernel_that_died_on_its_own_says_that(tmp_path, monkeypatch,
+                                                                                          stopped):
+    """At its limit a lesson's kernel is killed, so the worker reports a dead kernel: that is the stop, not a crash
+    (lesson 08 on the H200, 2026-11-28, read "stopped at its 6.0-minute limit (the kernel died ...)")."""
+    executed = (H200_RUN / "full-08" / "08_capstone.ipynb").read_text()  # as the worker handed it back
+
+    def worker(job, *, cwd, env, time_limit):
+        if stopped:
+            time.sleep(1.0)  # past the lesson's limit: its kernel is killed
+        return {"error": KERNEL_DIED, "notebook": executed}, None
+
+    monkeypatch.setattr(verify_jobs, "run_contained", worker)
+    lesson = _notebook(tmp_path / "08_capstone.ipynb", "print('x')")
+    outcome = verify_jobs.run_lesson(lesson, {}, 0.3 if stopped else 60, tmp_path / "kernel.log")
+    if stopped:
+        assert outcome.status == "timed out"
+        assert outcome.detail == "stopped at its 0.0-minute limit while code cell 7 ran"
+    else:
+        assert outcome.status == "FAILED" and outcome.detail == KERNEL_DIED
+    assert outcome.notebook == executed
+
+
+def test_the_h200_run_of_lesson_08_was_stopped_while_code_cell_7_ran():
+    executed = (H200_RUN / "full-08" / "08_capstone.ipynb").read_text()
+    assert verify_jobs.running_cell(executed) == 7  # the optimisation path: sent to the kernel, no reply came
+    assert verify_jobs.stopped_at(360, executed) == "stopped at its 6.0-minute limit while code cell 7 ran"
+    finished = nbformat.writes(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]))
+    assert verify_jobs.stopped_at(90, finished) == verify_jobs.stopped_at(90, None) == "stopped at its 1.5-minute limit"
+    shipped = pd.read_csv(H200_RUN / "full-08" / "verify_gpu.csv")  # as the run wrote it, before this was fixed
+    assert shipped.loc[0, "detail"] == f"stopped at its 6.0-minute limit ({KERNEL_DIED})"
 
 
 def test_a_command_is_stopped_with_everything_it_started(tmp_path):

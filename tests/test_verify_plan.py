@@ -14,6 +14,14 @@ from gpulab.commands.verify_plan import H100, PLANNED, RESERVE_S, TARGET_MIN, es
 from .conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+H200 = "NVIDIA H200"
+H200_RUN = ROOT / "tests" / "data" / "verify" / "2026-11-28-h200"  # the verification's own rows of that run
+
+
+def _h200_rows() -> pd.DataFrame:
+    """The verify_gpu rows the 2026-11-28 H200 run wrote: 08 timed out (361 s), 09 failed (129 s)."""
+    return pd.concat([results.load(H200_RUN / part / "verify_gpu.csv") for part in ("full-08", "full-09")],
+                     ignore_index=True)
 
 
 def _shipped(*rows) -> pd.DataFrame:
@@ -56,12 +64,22 @@ def test_a_run_of_this_gpu_class_replaces_the_planning_number():
     assert planning.expected("08", "08_capstone", "NVIDIA L4", shipped) == PLANNED["08"]
 
 
-def test_a_part_stopped_at_its_limit_is_planned_longer_than_it_ran():
-    shipped = _shipped(("09_transformers", "timed out", 400.0, H100, "2026-12-01T10:00:00+00:00"))
-    minutes = planning.expected("09", "09_transformers", H100, shipped)
-    assert minutes.minutes == 10.0 and not minutes.measured and "stopped at its 6.7-minute limit" in minutes.source()
-    failed = _shipped(("09_transformers", "FAILED", 5.0, H100, "2026-12-01T10:00:00+00:00"))
-    assert planning.expected("09", "09_transformers", H100, failed) == PLANNED["09"]
+def test_a_part_that_failed_or_was_stopped_keeps_its_planned_minutes_and_may_run_past_where_it_got():
+    # the H200 run of 2026-11-28: 08 stopped at its 6-minute limit after 361 s, 09 failed after 129 s
+    h200 = _h200_rows()
+    stopped = planning.expected("08", "08_capstone", H200, h200)
+    assert stopped.minutes == PLANNED["08"].minutes and not stopped.measured and stopped.ran == 6.0
+    assert stopped.stop_s() == planning.PART_CAP_S  # twice the 6 minutes it ran, at most the cap; not 6 minutes again
+    assert stopped.source().startswith(f"estimate: {PLANNED['08'].basis}")
+    assert stopped.source().endswith("its last run on NVIDIA H200 (2026-11-28) timed out after 6.0 min and measured "
+                                     "nothing")
+    failed = planning.expected("09", "09_transformers", H200, h200)
+    assert failed.minutes == PLANNED["09"].minutes and failed.ran == 2.1 and failed.stop_s() == 360
+    assert "failed after 2.1 min" in failed.source()
+    assert planning.expected("08", "08_capstone", H100, h200) == PLANNED["08"]  # another GPU class's run
+    # a part that passed since is measured again
+    fixed = pd.concat([h200, _shipped(("08_capstone", "passed", 150.0, H200, "2026-11-29T10:00:00+00:00"))])
+    assert planning.expected("08", "08_capstone", H200, fixed).measured
 
 
 def test_a_part_starts_only_where_its_minutes_fit_what_is_left():
@@ -91,6 +109,42 @@ def test_lessons_without_reference_rows_for_this_gpu_class_come_first(reference)
     ordered = planning.order(parts, H100, shipped, gpus, failed_quick={"01"})
     assert [p.key for p, _ in ordered] == ["tests", "bench", "00", "05", "01"]
     assert ordered[-1][1].endswith("last: it failed in quick mode")
+
+
+def test_what_failed_or_timed_out_last_time_on_this_gpu_class_comes_first(reference):
+    parts = verify.verify_parts(NOTEBOOKS, ["tests", "00", "05", "08", "09", "bench"], tests=ROOT / "tests")
+    ordered = planning.order(parts, H200, _h200_rows(), {})
+    assert [p.key for p, _ in ordered] == ["08", "09", "00", "05", "tests", "bench"]
+    why = dict((p.key, why) for p, why in ordered)
+    assert why["08"] == "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)"
+    assert why["09"] == ("failed last time on NVIDIA H200 (2026-11-28: code cell 19: RuntimeError: Error: accessing "
+                         "tensor output of...)")
+    assert why["00"] == "no reference rows for this GPU class"
+    # on another GPU class the H200's failures change nothing
+    assert [p.key for p, _ in planning.order(parts, H100, _h200_rows(), {})] == ["00", "05", "08", "09", "tests", "bench"]
+    # a stopped run's row names the cell it was running; one that failed in quick mode this time still goes last
+    stopped = _h200_rows().assign(detail="stopped at its 6.0-minute limit while code cell 7 ran")
+    ordered = planning.order(parts, H200, stopped, {}, failed_quick={"09"})
+    assert [p.key for p, _ in ordered][:2] == ["08", "00"] and ordered[-1][0].key == "09"
+    assert ordered[0][1].endswith("(2026-11-28: stopped at its 6.0-minute limit while code cell 7 ran)")
+    # a part that passed after it failed is measured: no longer first
+    fixed = pd.concat([_h200_rows(), _shipped(("08_capstone", "passed", 150.0, H200, "2026-11-29T10:00:00+00:00"))])
+    assert [p.key for p, _ in planning.order(parts, H200, fixed, {})][:2] == ["09", "00"]
+
+
+def test_make_verify_gpu_plan_on_the_h200_starts_with_what_broke_there_on_2026_11_28(reference, monkeypatch, capsys):
+    _h200_rows().to_csv(reference / f"{planning.VERIFY_NAME}.csv", index=False)  # as shipped
+    monkeypatch.chdir(ROOT)
+    assert verify.main(["verify", "--dry-run", "--budget-min", "9", "--gpu", H200]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[2:15]]
+    assert [row[0] for row in rows[:4]] == ["smoke", "08", "09", "00"]
+    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; 09 waits: 3 min do not fit the rest
+    assert rows[1][1:6] == ["3.0", "8.0", "runs,", "ends", "by"] and rows[1][6] == "5.6"
+    assert rows[2][1:5] == ["3.0", "6.0", "not", "run:"]
+    assert "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)" in out
+    assert "failed last time on NVIDIA H200 (2026-11-28: code cell 19: RuntimeError" in out
+    assert "the kernel died" not in out  # the 08 row's detail, as the run wrote it, is not repeated
 
 
 def test_the_plan_runs_the_smoke_run_then_what_fits_in_order_of_need(reference, monkeypatch):

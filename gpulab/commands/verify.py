@@ -7,7 +7,8 @@ this GPU in one command of a few minutes.
 2. Then the full-mode parts (the GPU-marked tests, each lesson, gpulab bench) in order of need (``verify_plan``),
    each started only where its expected minutes fit what is left of the budget and stopped at its limit. A part
    that passed ships its results to gpulab/reference/ at once; the minutes every part took go to the shipped
-   ``verify_gpu`` results, per GPU class, so that the next run on that class goes on with what is not measured yet.
+   ``verify_gpu`` results, per GPU class, so that the next run on that class starts with what failed and goes on
+   with what is not measured yet.
 
 gpulab's NVML monitor samples the GPU every second throughout. Everything goes to one output folder
 (``verify_out``), rewritten as each part ends; the run returns before its budget, whatever is still running.
@@ -182,7 +183,7 @@ def _full(run: "_Run", parts: list[Part], end: float, cap_s: float, mon: Monitor
     for part, why in planning.order(parts, run.gpu, shipped, planning.reference_gpus(results.REFERENCE_DIR), failed):
         minutes = planning.expected(part.key, part.name, run.gpu, shipped)
         left = end - clock()
-        job = run.part_job(part, planning.stop_limit_s(minutes.minutes, cap_s))
+        job = run.part_job(part, minutes.stop_s(cap_s))
         if part.key == "tests" and importlib.util.find_spec("pytest") is None:
             run.done("full", job, Outcome("not run", 0.0, "pytest is not installed here (the headless set has no "
                                           "test tools)"), 0, minutes.minutes)

@@ -148,10 +148,28 @@ def run_lesson(notebook: Path, env: dict, limit: float, kernel_log: Path) -> Out
     seconds, executed = time.monotonic() - start, answer.get("notebook")
     error = failure or answer.get("error")
     warnings = learner_warnings(executed) if executed else ()
-    if stopped.is_set():
-        return Outcome("timed out", seconds, f"stopped at its {limit / 60:.1f}-minute limit ({error or 'at its end'})",
-                       executed, warnings)
+    if stopped.is_set():  # its kernel was killed here: whatever the worker said of that is not the lesson's error
+        return Outcome("timed out", seconds, stopped_at(limit, executed), executed, warnings)
     return Outcome("FAILED" if error else "passed", seconds, error or "", executed, warnings)
+
+
+def stopped_at(limit: float, notebook: str | None) -> str:
+    """What a lesson stopped at its limit says: the limit, and the code cell it was running where the executed
+    ``notebook`` shows it."""
+    cell = running_cell(notebook) if notebook else None
+    return f"stopped at its {limit / 60:.1f}-minute limit" + (f" while code cell {cell} ran" if cell else "")
+
+
+def running_cell(notebook: str) -> int | None:
+    """The number of the code cell that had started and not ended in an executed notebook (by nbclient's timing
+    metadata: its input went to the kernel, no reply came back), as "code cell N" counts; None if none."""
+    nb = nbformat.reads(notebook, as_version=4)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    for number, cell in enumerate(code_cells, 1):
+        timing = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in timing and "shell.execute_reply" not in timing:
+            return number
+    return None
 
 
 def run_command(argv: list[str], env: dict, limit: float, log_path: Path) -> Outcome:

@@ -6,7 +6,8 @@ Pure functions of the shipped results and the numbers below: `make verify-gpu-pl
 """
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -29,11 +30,17 @@ class Minutes:
     basis: str  # the run that measured it; or what an estimate rests on
     gpu: str = ""
     date: str = ""
+    ran: float = 0.0  # the minutes it ran on this GPU class last time before it failed or was stopped
 
     def source(self) -> str:
         if self.measured:
             return f"measured on {self.gpu}, {self.date}: {self.basis}"
         return f"estimate: {self.basis}"
+
+    def stop_s(self, cap_s: float = PART_CAP_S) -> float:
+        """When the part is stopped: ``stop_limit_s`` of its minutes, or of the minutes it ran last time before it
+        failed or was stopped where those are longer, so that it may get past where it stopped."""
+        return stop_limit_s(max(self.minutes, self.ran), cap_s)
 
 
 def measured(seconds: float, gpu: str, date: str, basis: str) -> Minutes:
@@ -81,20 +88,18 @@ WHOLE_CARD_QUICK = ()
 
 def expected(key: str, name: str, gpu: str, shipped: pd.DataFrame) -> Minutes:
     """The minutes part ``key`` (``name``: its full name, as verify_gpu rows hold it) is expected to take on
-    ``gpu``: the latest passed run of it on that GPU class in ``shipped`` (verify_gpu rows), else ``PLANNED``,
-    raised to 1.5 times the time it ran before it was stopped there, if it was."""
+    ``gpu``: those of its latest run on that GPU class in ``shipped`` (verify_gpu rows) if it passed, else
+    ``PLANNED``. A run that failed or was stopped measured nothing: the planning number stays, with the minutes it
+    ran then (``Minutes.stop_s`` lets it run past them)."""
     table = PLANNED.get(key, estimate(PART_CAP_S / 60, "no planning number: the part's limit"))
-    rows = _rows_of(shipped, name, gpu)
-    done = rows[rows["status"] == "passed"] if not rows.empty else rows
-    if not done.empty:
-        last = done.iloc[-1]
-        return measured(float(last["seconds"]), gpu, str(last.get("recorded_at", ""))[:10], "make verify-gpu")
-    stopped = rows[rows["status"] == "timed out"] if not rows.empty else rows
-    if not stopped.empty:
-        seconds = float(stopped["seconds"].max())
-        if 1.5 * seconds / 60 > table.minutes:
-            return estimate(round(1.5 * seconds / 60, 1), f"stopped at its {seconds / 60:.1f}-minute limit on {gpu}")
-    return table
+    last = _last_run(shipped, name, gpu)
+    if last is None:
+        return table
+    seconds, date = float(last["seconds"]), str(last.get("recorded_at", ""))[:10]
+    if last["status"] == "passed":
+        return measured(seconds, gpu, date, "make verify-gpu")
+    return replace(table, ran=round(seconds / 60, 1), basis=f"{table.basis}; its last run on {gpu} ({date}) "
+                   f"{_ended(last)} after {seconds / 60:.1f} min and measured nothing")
 
 
 def stop_limit_s(minutes: float, cap_s: float = PART_CAP_S) -> float:
@@ -125,17 +130,18 @@ def reference_gpus(reference_dir: Path) -> dict[str, set[str]]:
 
 def need(key: str, name: str, lesson: bool, gpu: str, shipped: pd.DataFrame,
          gpus: dict[str, set[str]]) -> tuple[tuple, str]:
-    """How much part ``key`` needs running on ``gpu``: a sort key (lowest first) and why, in words. First the lessons
-    with no reference rows for this GPU class, then the parts never timed on it, then those timed on it, oldest
-    first."""
-    rows = _rows_of(shipped, name, gpu)
-    done = rows[rows["status"] == "passed"] if not rows.empty else rows
-    if not done.empty:
-        when = str(done.iloc[-1].get("recorded_at", ""))
-        return (2, when), f"measured on this GPU class {when[:10]}"
+    """How much part ``key`` needs running on ``gpu``: a sort key (lowest first) and why, in words. First the parts
+    that failed or were stopped at their limit the last time they ran on this GPU class (is it fixed?), then the
+    lessons with no reference rows for it, then the parts never timed on it, then those timed on it, oldest first."""
+    last = _last_run(shipped, name, gpu)
+    if last is not None and last["status"] != "passed":
+        return (0, ""), f"{_ended(last)} last time on {gpu} ({str(last.get('recorded_at', ''))[:10]}: {_how(last)})"
+    if last is not None:
+        when = str(last.get("recorded_at", ""))
+        return (3, when), f"measured on this GPU class {when[:10]}"
     if lesson and gpu not in gpus.get(key, set()):
-        return (0, ""), "no reference rows for this GPU class"
-    return (1, ""), "not timed on this GPU class yet"
+        return (1, ""), "no reference rows for this GPU class"
+    return (2, ""), "not timed on this GPU class yet"
 
 
 def order(parts: list, gpu: str, shipped: pd.DataFrame, gpus: dict[str, set[str]],
@@ -171,16 +177,36 @@ def plan_rows(parts: list, gpu: str, budget_s: float | None, shipped: pd.DataFra
             left -= minutes.minutes * 60
         else:
             decision = f"not run: {max(0.0, (left - RESERVE_S) / 60):.1f} min left"
-        limit = SMOKE_LIMIT_S if part.key == "smoke" else stop_limit_s(minutes.minutes, cap_s)
+        limit = SMOKE_LIMIT_S if part.key == "smoke" else minutes.stop_s(cap_s)
         rows.append({"part": part.key, "runs": part.what, "minutes": minutes.minutes,
                      "source": minutes.source() + over, "stop_min": round(limit / 60, 1), "why": why,
                      "decision": decision})
     return pd.DataFrame(rows, columns=["part", "runs", "minutes", "source", "stop_min", "why", "decision"])
 
 
-def _rows_of(shipped: pd.DataFrame, name: str, gpu: str) -> pd.DataFrame:
-    """The verify_gpu rows of part ``name`` on ``gpu``, oldest first."""
+def _last_run(shipped: pd.DataFrame, name: str, gpu: str) -> pd.Series | None:
+    """The latest verify_gpu row of part ``name`` on ``gpu`` (None: it never ran there)."""
     if shipped.empty or not {"part", "device_name", "status"} <= set(shipped):
-        return pd.DataFrame()
+        return None
     rows = shipped[(shipped["part"] == name) & (shipped["device_name"] == gpu)]
-    return rows.sort_values("recorded_at", kind="stable") if "recorded_at" in rows else rows
+    rows = rows.sort_values("recorded_at", kind="stable") if "recorded_at" in rows else rows
+    return None if rows.empty else rows.iloc[-1]
+
+
+def _ended(row: pd.Series) -> str:
+    """How a run that did not pass ended: "failed" or "timed out"."""
+    return "timed out" if row["status"] == "timed out" else "failed"
+
+
+def _how(row: pd.Series, width: int = 64) -> str:
+    """What a run that did not pass said, in one short line: a stopped run's limit (and the cell it was running, where
+    its row names it), a failed run's error."""
+    detail = row.get("detail")
+    detail = detail if isinstance(detail, str) else ""
+    if row["status"] == "timed out":
+        cell = re.search(r"while code cell \d+ ran", detail)
+        limit = row.get("limit_s")
+        minutes = float(limit if pd.notna(limit) else row["seconds"]) / 60
+        return f"stopped at its {minutes:.1f}-minute limit" + (f" {cell[0]}" if cell else "")
+    first = detail.split(". ")[0] or "no error recorded"
+    return first if len(first) <= width else first[:width - 3] + "..."
