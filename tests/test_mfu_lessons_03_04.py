@@ -292,6 +292,25 @@ def test_lesson_03s_convergence_on_the_h200_reports_the_students_mfu_and_of_achi
             f"{best.steps:,} updates)") in capsys.readouterr().out
 
 
+def test_lesson_03s_convergence_on_the_h200_names_test_losses_as_losses_and_counts_the_updates_it_compares(
+        lesson_env, h200, monkeypatch, capsys):
+    """The H200's runs (2026-11-27): the scaled and unscaled batch 4096 reached test losses of 0.338 and 1.037, which
+    the lesson printed as what "the learning rate ... reached"; and batch 4096 made more updates (679) than batch 1024
+    (623), where the lesson said it made up for "making fewer updates"."""
+    fake_timing(monkeypatch, lambda label: 0.01)  # steps of 1024 and 4096 alike: 4x the samples per second
+    scope = lesson03(monkeypatch)
+    run(scope, "03", "def train_for(")
+    scope["train_for"] = h200_training
+    capsys.readouterr()
+    run(scope, "03", 'ResultLog("03_convergence")')
+    out = capsys.readouterr().out
+    assert ("At batch 4096, training with the learning rate scaled by the rule (lr 1.02) reached a test loss of 0.338; "
+            "with the base learning rate, unscaled (lr 0.004), 1.037.") in out
+    assert "the lowest test loss came from batch 4096, lr 1.02 (test loss 0.338, " in out
+    assert "made 679 updates in its 1 s, where batch 1024, lr 0.256 made 623" in out and "fewer updates" not in out
+    scope["said"](scope["scaled"].iloc[0])  # the lesson's said() is still the function, when the cell runs again
+
+
 def test_lesson_03_on_a_cpu_says_mfu_needs_a_vendor_peak_and_shows_the_share_of_the_measured_ceiling(
         lesson_env, cpu_ceilings, monkeypatch, capsys):
     def bench_s(label):  # b=8: 8 ms; k=2: 64 / (1000 + 2) s
