@@ -17,9 +17,13 @@ bf16 TFLOP/s). It goes wrong in known ways, and each has its guard here:
   PR #464 divided an H100 run by the A100's peak), dense, never a sparse one ("with sparsity" figures are twice the
   dense ones);
 - the ceiling itself: ``ceiling`` measures the best matmul this device reaches in that precision, by a search over
-  shapes as the MAMF finder does, each timed long enough at steady clocks, with the clocks it ran at recorded. A
-  step that beats its ceiling shows the ceiling was not this machine's best (measured while the CPU was busy, say):
-  ``mfu`` measures it again, and a figure above 100 % is never shown as a result (``Utilisation.warning``);
+  shapes as the MAMF finder does, each timed long enough at steady clocks (the **sustained** rate: held at its power
+  limit, a GPU lowers its clocks under back-to-back dense products), then the fastest shape again in a short
+  **burst** from a rested card, at its top clock; each with the clocks and power it ran at. "Of achievable" divides
+  by the burst, the best a matmul reaches at the clock a training step that stays under the power limit runs at (the
+  sustained rate is shown beside it). A step that beats its ceiling shows the ceiling was not this machine's best
+  (measured while the CPU was busy, say): ``mfu`` measures it again, and a figure above 100 % is never shown as a
+  result (``Utilisation.warning``);
 - recomputation: FLOPs that run twice (activation checkpointing, flash attention's backward) are hardware FLOPs. MFU
   counts the model's FLOPs once; HFU (hardware FLOPs utilisation) counts what ran, and is shown beside it.
 
@@ -42,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from . import datasheets
 from .conditions import Conditions, Watch
-from .device import device_info, get_device
+from .device import device_info, get_device, on_gpu
 from .mode import by_mode
 from .precision import calls_to_fill, matmul_flops, timed_calls
 
@@ -189,18 +193,47 @@ def rule_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int)
 # ----- the ceiling: the best matmul this device reaches in a precision -----------------------------------------------
 
 @dataclass(frozen=True)
+class Timed:
+    """One way the fastest shape was timed: its median TFLOP/s and the machine's state meanwhile."""
+
+    tflops: float
+    conditions: Conditions | None = None
+
+    def row(self, prefix: str) -> dict:
+        """``{prefix}_tflops`` and the clock and power columns of its state, each named with ``prefix``."""
+        state = self.conditions.row() if self.conditions else {}
+        return {f"{prefix}_tflops": self.tflops, **{f"{prefix}_{k}": state[k] for k in TIMED_COLUMNS if k in state}}
+
+    def __str__(self) -> str:
+        state = self.conditions
+        clocks = state.clocks() if state else ""
+        power = (f", {state.gpu_power_w:.0f} W of {state.gpu_power_limit_w:.0f}" if state and
+                 state.gpu_power_w == state.gpu_power_w and state.gpu_power_limit_w == state.gpu_power_limit_w else "")
+        limited = f", {', '.join(state.throttle)}" if state and state.throttle else ""
+        return f"{self.tflops:.4g} TFLOP/s" + (f" at SM clock {clocks}{power}{limited}" if clocks else "")
+
+
+TIMED_COLUMNS = ("sm_clock_mhz", "sm_clock_low_mhz", "sm_clock_high_mhz", "gpu_power_w", "throttle")
+
+
+@dataclass(frozen=True)
 class Ceiling:
-    """The measured matmul ceiling of one precision on one device: the median TFLOP/s at the fastest shape searched,
-    and the machine's state while that shape was timed (its SM clock range, any power or thermal limit)."""
+    """The measured matmul ceiling of one precision on one device, at the fastest shape searched: ``tflops``, what
+    "of achievable" divides by, is the better of that shape's **burst** (a short run from a rested card, at its top
+    clock) and its **sustained** rate (the search's median once the clocks had settled under the precision's load,
+    held down where the card reached its power limit); ``conditions`` is the machine's state over the one it is (its
+    SM clock range, power, any power or thermal limit). ``burst`` and ``sustained`` keep both, each with its state."""
 
     precision: str
     tflops: float
     shape: tuple = ()  # (m, n, k) of the fastest shape
-    by_shape: dict = field(default_factory=dict)  # {(m, n, k): median TFLOP/s}
+    by_shape: dict = field(default_factory=dict)  # {(m, n, k): sustained median TFLOP/s}
     device_name: str = ""
     datasheet_tflops: float | None = None  # the vendor's dense peak (None where unknown)
-    conditions: Conditions | None = None  # over the fastest shape's timed products
+    conditions: Conditions | None = None  # over the timed products that gave ``tflops``
     key: tuple | None = field(default=None, repr=False, compare=False)  # how ``ceiling`` measured it, to measure again
+    burst: Timed | None = None  # the fastest shape from a rested card, at its top clock
+    sustained: Timed | None = None  # the fastest shape in the search, the clocks settled under load
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -212,10 +245,14 @@ class Ceiling:
         return float(self.tflops)
 
     def row(self) -> dict:
+        """The results row: the ceiling with its state's columns, then the burst's and the sustained rate's (each
+        with its clocks and power: ``burst_sm_clock_low_mhz``, ``sustained_gpu_power_w``, ...)."""
         m, n, k = self.shape or (None, None, None)
         state = self.conditions.row() if self.conditions else {}
+        timed = {**(self.burst.row("burst") if self.burst else {}),
+                 **(self.sustained.row("sustained") if self.sustained else {})}
         return {"precision": self.precision, "ceiling_tflops": self.tflops, "m": m, "n": n, "k": k,
-                "datasheet_tflops": self.datasheet_tflops, "of_datasheet": self.of_datasheet, **state}
+                "datasheet_tflops": self.datasheet_tflops, "of_datasheet": self.of_datasheet, **state, **timed}
 
     @property
     def of_datasheet(self) -> float | None:
@@ -231,17 +268,21 @@ class Ceiling:
         sheet = (f"; {self.of_datasheet:.0%} of the datasheet's dense {self.datasheet_tflops:g}" if self.of_datasheet
                  else f"; above the datasheet's dense {self.datasheet_tflops:g}: impossible, so that datasheet row is "
                  "not this card's or this precision's" if self.datasheet_tflops else "")
-        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{sheet}"
+        held = f"; sustained {self.sustained}" if self.sustained and self.sustained.tflops != self.tflops else ""
+        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{held}{sheet}"
 
 
 MAX_PRODUCT_S = 0.25  # a shape whose product would take longer than this is not tried
+# The burst: the fastest shape timed for about BURST_S after REST_S idle, long enough for a GPU held at its power limit
+# by the search to run at its top clock again (the H200 of 2026-11-28 read its top clock within a second of the
+# search's end: tests/data/lesson09/2026-11-28-h200/monitor.csv).
+REST_S, BURST_S = {"full": 1.0, "quick": 0.05}, {"full": 0.05, "quick": 0.01}
 
 
 def search_shapes(device=None) -> list[tuple[int, int, int]]:
     """The (m, n, k) shapes ``ceiling`` tries: squares and the long, flat shapes where cuBLAS often does best (as
     MAMF's search finds), sized for the device and the mode."""
-    cuda = get_device(device).type == "cuda"
-    if cuda:
+    if on_gpu(get_device(device)):
         full = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
                 (8192, 8192, 2048), (16384, 8192, 1024), (4096, 16384, 4096), (16384, 4096, 8192),
                 (6144, 16384, 2048), (8192, 4096, 16384), (8192, 8192, 4096), (12288, 12288, 4096)]
@@ -253,9 +294,9 @@ def search_shapes(device=None) -> list[tuple[int, int, int]]:
 
 
 @contextmanager
-def _matmul_precision(precision: str, cuda: bool):
-    """fp32 matmuls in TF32 for "tf32" and in full fp32 for "fp32" inside the block (CUDA; the setting is restored)."""
-    if not cuda or precision not in ("fp32", "tf32"):
+def _matmul_precision(precision: str, gpu: bool):
+    """fp32 matmuls in TF32 for "tf32" and in full fp32 for "fp32" inside the block (GPU; the setting is restored)."""
+    if not gpu or precision not in ("fp32", "tf32"):
         yield
         return
     before = torch.get_float32_matmul_precision()
@@ -292,11 +333,13 @@ _AGAIN: set[tuple] = set()  # the ceilings measured again because a step beat th
 def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None = None, again: bool = False) -> Ceiling:
     """The best matmul this device reaches in ``precision``: each of ``shapes`` (default ``search_shapes``) warmed up
     (the precision's own products first, until the clocks have settled under its load), then timed for about
-    ``seconds`` of back-to-back products (between CUDA events on a GPU) while the SM clock and throttling are
-    watched; the ceiling is the median TFLOP/s of the fastest shape. Shapes whose product would take over a quarter of
-    a second are skipped. Kept for the process and device for the same arguments; ``again=True`` measures once more
-    and keeps the better of the two (a ceiling measured while the machine was busy is not its best). "tf32" and
-    "fp32" set the TF32 switch while they measure, then restore it."""
+    ``seconds`` of back-to-back products (between CUDA events on a GPU) while the SM clock, power and throttling are
+    watched: the fastest shape's median is the **sustained** rate. Then, after ``REST_S`` idle, that shape is timed
+    again for about ``BURST_S``, at the top clock where the power limit had held it down: the **burst**. The ceiling
+    is the better of the two (``Ceiling``). Shapes whose product would take over a quarter of a second are skipped.
+    Kept for the process and device for the same arguments; ``again=True`` measures once more and keeps the better
+    ceiling (one measured while the machine was busy is not its best). "tf32" and "fp32" set the TF32 switch while
+    they measure, then restore it."""
     device = get_device(device)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
@@ -315,10 +358,10 @@ def ceiling(precision: str, device=None, *, shapes=None, seconds: float | None =
 
 
 def _measure_ceiling(precision: str, device: torch.device, shapes: tuple, seconds: float) -> Ceiling:
-    cuda = device.type == "cuda"
-    by_shape, watched = {}, {}
-    with _matmul_precision(precision, cuda):
-        if cuda:  # the clocks settle under the precision's own load: a tensor-core product draws more power
+    gpu = on_gpu(device)
+    by_shape, watched, kernel = {}, {}, {}
+    with _matmul_precision(precision, gpu):
+        if gpu:  # the clocks settle under the precision's own load: a tensor-core product draws more power
             largest = max(shapes, key=lambda s: s[0] * s[1] * s[2])
             warm, started = _products(precision, *largest, device)[0], time.perf_counter()
             while time.perf_counter() - started < by_mode(full=1.0, quick=0.1):
@@ -328,19 +371,32 @@ def _measure_ceiling(precision: str, device: torch.device, shapes: tuple, second
             flops = matmul_flops(m, n, k)
             if by_shape and flops / (max(by_shape.values()) * 1e12) > MAX_PRODUCT_S:
                 continue  # too slow at this size: the others have told us the rate
-            for product in _products(precision, m, n, k, device):  # the faster kernel counts
+            for i, product in enumerate(_products(precision, m, n, k, device)):  # the faster kernel counts
                 one = timed_calls(product, 1, device)[0]  # loads the library's kernel; how long one product takes
                 timed_calls(product, calls_to_fill(seconds / 3, one, 1, 1000), device)
                 with Watch(device) as watch:
                     times = timed_calls(product, calls_to_fill(seconds, one, 3, 10_000), device)
                 rate = flops / statistics.median(times) / 1e12
                 if rate > by_shape.get((m, n, k), 0.0):
-                    by_shape[(m, n, k)], watched[(m, n, k)] = rate, watch.conditions
+                    by_shape[(m, n, k)], watched[(m, n, k)], kernel[(m, n, k)] = rate, watch.conditions, i
                 del product
-    best = max(by_shape, key=by_shape.get)
+        best = max(by_shape, key=by_shape.get)
+        burst = _burst(_products(precision, *best, device)[kernel[best]], matmul_flops(*best), by_shape[best], device)
+    sustained = Timed(by_shape[best], watched[best])
+    chosen = burst if burst.tflops >= sustained.tflops else sustained  # a burst below it: the clocks had not recovered
     name = device_info(device).name
-    return Ceiling(precision, by_shape[best], best, by_shape, name, datasheet(name, precision) if cuda else None,
-                   watched[best])
+    return Ceiling(precision, chosen.tflops, best, by_shape, name, datasheet(name, precision) if gpu else None,
+                   chosen.conditions, burst=burst, sustained=sustained)
+
+
+def _burst(product, flops: float, sustained_tflops: float, device: torch.device) -> Timed:
+    """``product`` timed for about ``BURST_S`` after ``REST_S`` idle: a GPU the search held at its power limit has its
+    top clock back by then (the power limit lowers the clocks only under sustained load)."""
+    time.sleep(by_mode(**REST_S))
+    one = flops / (sustained_tflops * 1e12)
+    with Watch(device, interval=0.01) as watch:  # a reading every 10 ms: the burst lasts a few of them
+        times = timed_calls(product, calls_to_fill(by_mode(**BURST_S), one, 3, 1000), device)
+    return Timed(flops / statistics.median(times) / 1e12, watch.conditions)
 
 
 def ceilings(precisions=None, device=None, **options) -> dict[str, Ceiling]:
@@ -355,7 +411,7 @@ def reference_peak(precisions, device=None) -> tuple[str, float]:
     fp32 one can show a lower MFU than fp32 when each is divided by its own precision's peak."""
     device = get_device(device)
     name = device_info(device).name
-    peaks = {p: datasheet(name, p) if device.type == "cuda" else None for p in precisions}
+    peaks = {p: datasheet(name, p) if on_gpu(device) else None for p in precisions}
     if not all(peaks.values()):
         peaks = {p: ceiling(p, device).tflops for p in precisions}
     best = max(peaks, key=lambda p: (peaks[p], p == "bf16"))  # bf16 on a tie with fp16: what training uses

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpulab import flops, text
+from gpulab.conditions import Conditions
 from gpulab.device import DeviceInfo
 from gpulab.models import TutorialCNN
 
@@ -198,10 +199,90 @@ def test_on_a_cpu_the_ceiling_is_the_faster_of_mm_and_linear(monkeypatch):
     forget_ceilings()
 
 
+H200 = Path(__file__).parent / "data" / "lesson09" / "2026-11-28-h200"
+
+
+def h200_state(clock_low, clock_high, power, throttle=()):
+    return Conditions(gpu=True, sm_clock_mhz=clock_low, sm_clock_low_mhz=clock_low, sm_clock_high_mhz=clock_high,
+                      sm_clock_max_mhz=1980.0, gpu_power_w=power, gpu_power_limit_w=700.0, throttle=throttle)
+
+
+@pytest.fixture
+def power_limited_card(monkeypatch):
+    """A card the search holds at its power limit (the H200's bf16 row of 2026-11-28: 694.9 TFLOP/s at 1515 MHz of
+    1980, 556.8 W of 700, SW power cap) and that runs at its top clock again after a rest: ``card["burst"]`` TFLOP/s
+    there. Timings and NVML readings injected; ``card["rests"]`` records each rest before a burst."""
+    row = pd.read_csv(H200 / "09_ceilings.csv").set_index("precision").loc["bf16"]
+    card = {"burst": 790.0, "rested": False, "rests": [], "sustained": float(row.ceiling_tflops),
+            "held": h200_state(row.sm_clock_low_mhz, row.sm_clock_high_mhz, row.gpu_power_w, (row.throttle,))}
+
+    def timed(product, count, device):
+        m, k = product.args[0].shape
+        rate = card["burst"] if card["rested"] else card["sustained"]
+        return [2 * m * k * product.args[1].shape[1] / (rate * 1e12)] * count
+
+    class Watch:
+        def __init__(self, device=None, interval=0.05):
+            self.conditions = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.conditions = h200_state(1980.0, 1980.0, 690.0) if card["rested"] else card["held"]
+
+    def sleep(seconds):
+        card["rested"] = True
+        card["rests"].append(seconds)
+
+    monkeypatch.setattr(flops, "timed_calls", timed)
+    monkeypatch.setattr(flops, "Watch", Watch)
+    monkeypatch.setattr(flops.time, "sleep", sleep)
+    forget_ceilings()
+    yield card
+    forget_ceilings()
+
+
+def test_the_ceiling_is_the_burst_at_the_top_clock_with_the_sustained_rate_beside_it(power_limited_card):
+    """The search measures the sustained rate (the clocks settled under load: held down by the power limit); the
+    fastest shape is then timed again after a rest, at the top clock. Both are kept with the clock and power they ran
+    at; "of achievable" divides by the burst (a training step under the power limit runs at the top clock)."""
+    c = flops.ceiling("bf16", "cpu", shapes=[(64, 64, 64), (96, 96, 96)], seconds=0.01)
+    assert power_limited_card["rests"] == [flops.REST_S["quick"]]
+    assert c.tflops == pytest.approx(790.0) and c.sustained.tflops == pytest.approx(694.866, abs=1e-3)
+    assert c.conditions.sm_clock_low_mhz == 1980 and c.sustained.conditions.sm_clock_low_mhz == 1515
+    row = c.row()
+    assert row["ceiling_tflops"] == row["burst_tflops"] == pytest.approx(790.0)
+    assert (row["sustained_sm_clock_low_mhz"], row["sustained_gpu_power_w"], row["sustained_throttle"]) == (
+        1515.0, 556.8, "SW power cap")
+    assert row["burst_sm_clock_low_mhz"] == 1980 and row["sm_clock_low_mhz"] == 1980
+    assert "sustained 694.9 TFLOP/s at SM clock 1515 MHz of 1980, 557 W of 700, SW power cap" in str(c)
+    assert flops.mfu(7.5e14, 1.0, c, precision="bf16").of_achievable == pytest.approx(750 / 790)
+
+
+def test_a_burst_below_the_sustained_rate_leaves_the_ceiling_at_the_sustained_one(power_limited_card):
+    """Clocks not yet back after the rest (or noise): the ceiling is never below what the search measured."""
+    power_limited_card["burst"] = 650.0
+    c = flops.ceiling("bf16", "cpu", shapes=[(64, 64, 64)], seconds=0.01)
+    assert c.tflops == c.sustained.tflops and c.burst.tflops == pytest.approx(650.0)
+    assert c.conditions is c.sustained.conditions and c.row()["burst_tflops"] == pytest.approx(650.0)
+
+
+def test_a_gpu_held_at_its_power_limit_reads_its_top_clock_within_the_rest_before_the_burst():
+    """The rest before the burst (``REST_S``) from the H200's own record (NVML once a second, 2026-11-28): every time
+    it went idle after the power limit had held its clock down, its next reading was the top clock."""
+    watched = pd.read_csv(H200 / "monitor.csv")
+    held = (watched.sm_clock_mhz < 0.95 * 1980) & watched.throttle.fillna("").str.contains("power cap")
+    idle_after_held = watched.index[(watched.gpu_util_pct < 5) & held.shift(fill_value=False)]
+    assert len(idle_after_held) >= 1
+    assert (watched.loc[idle_after_held, "sm_clock_mhz"] == 1980).all() and flops.REST_S["full"] >= 1.0
+
+
 def test_a_real_ceiling_on_the_cpu_is_measured_once_per_process():
     forget_ceilings()
     first = flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002)
-    assert first.precision == "fp32" and first.tflops == max(first.by_shape.values()) > 0
+    assert first.precision == "fp32" and first.sustained.tflops == max(first.by_shape.values()) > 0
+    assert first.tflops == max(first.burst.tflops, first.sustained.tflops)
     assert flops.ceiling("fp32", "cpu", shapes=[(32, 32, 32), (64, 64, 64)], seconds=0.002) is first
     with pytest.raises(ValueError, match="no tf32 ceiling"):
         flops.ceiling("tf32", "cpu")
@@ -211,9 +292,9 @@ def test_a_real_ceiling_on_the_cpu_is_measured_once_per_process():
 
 def test_measuring_fp32_or_tf32_sets_the_switch_only_while_it_measures():
     before = torch.get_float32_matmul_precision()
-    with flops._matmul_precision("tf32", cuda=True):
+    with flops._matmul_precision("tf32", gpu=True):
         assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32
-    with flops._matmul_precision("fp32", cuda=True):
+    with flops._matmul_precision("fp32", gpu=True):
         assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32
     assert torch.get_float32_matmul_precision() == before
 
