@@ -14,7 +14,8 @@ While installed:
   ``stream``, ``current_stream`` and ``default_stream`` (a CPU runs each operation as it is called: there is no queue),
   ``synchronize``, the card's ``get_device_properties``/``get_device_name``/``get_device_capability``,
   ``is_bf16_supported``, ``device_count`` 1, the allocator's statistics and ``mem_get_info`` from the tracker (with
-  ``set_per_process_memory_fraction`` as its budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``;
+  ``set_per_process_memory_fraction`` as its budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``,
+  ``_sleep`` (a spin kernel: nothing to hold on a CPU);
 - ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so; ``record_stream`` takes a stream;
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
   replay a graph, and a test must not pretend it did.
@@ -232,6 +233,9 @@ def _patches(gpu: StandIn) -> dict:
         "memory_snapshot": lambda: [], "get_allocator_backend": lambda: "native",
         "set_sync_debug_mode": lambda mode: setattr(gpu, "sync_debug_mode", mode),
         "get_sync_debug_mode": lambda: gpu.sync_debug_mode,
+        # torch.cuda._sleep(cycles) queues a kernel that spins for `cycles` clocks (torch/cuda/__init__.py,
+        # aten/src/ATen/cuda/Sleep.cu) and returns: a CPU has no queue to hold, so it returns at once
+        "_sleep": lambda cycles: None,
         "CUDAGraph": _gpu_only("torch.cuda.CUDAGraph (capture and replay)"),
         "graph": _gpu_only("torch.cuda.graph (capture)"),
         "make_graphed_callables": _gpu_only("torch.cuda.make_graphed_callables"),

@@ -2,17 +2,23 @@
 (as an NVIDIA H200 reported them in the course's first run on one), so that what the cells would size, print and
 let through there is checked on a CPU."""
 
+import ast
 import re
+import time
 import warnings
 from types import SimpleNamespace
 
+import matplotlib.pyplot as plt
 import nbformat
 import pandas as pd
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import gpulab
 from gpulab.questions.lesson01 import _cache_note
+from gpulab.questions.observe import simulated_gpu
+from gpulab.questions.stand_in import virtual_clock
 
 from .conftest import ROOT
 
@@ -110,7 +116,8 @@ def test_the_sync_debug_prototype_note_is_explained_not_left_to_the_learner(monk
 
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_sync_debug_mode)
     scope = {"__name__": "__main__", "on_gpu": True, "torch": torch, "warnings": warnings,
-             "calls": {"x.sum()": lambda: None, "x.sum().item()": synchronising}}
+             "calls": {"x.sum()": lambda: None, "x.sum().item()": synchronising},
+             "waits": {"x.sum()": False, "x.sum().item()": True}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning that reaches the learner fails the test
         exec(cell("lesson01-20"), scope)
@@ -199,6 +206,7 @@ def test_on_a_gpu_the_sweep_times_warm_and_cold_copies_alone_between_events(h200
         raise AssertionError("a copy of the sweep was timed with gpulab.bench on the GPU")
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: Flush())
     monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 1024)))
     h200["gpulab"] = SimpleNamespace(by_mode=gpulab.by_mode, Measurement=gpulab.Measurement, ResultLog=Log,
@@ -207,3 +215,213 @@ def test_on_a_gpu_the_sweep_times_warm_and_cold_copies_alone_between_events(h200
     copies = h200["copies"]
     assert set(copies[copies.cache == "warm"].median_s) == {2e-6}
     assert set(copies[copies.cache == "cold"].median_s) == {8e-6}
+
+
+# ----- a GPU's queue with the H200's costs injected (gpulab.questions.observe.simulated_gpu, on a virtual clock) ------
+
+def code(marker: str) -> str:
+    """The source of the one code cell of lesson 01 that contains ``marker``."""
+    found = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code" and marker in c.source]
+    assert len(found) == 1, f"{len(found)} code cells of lesson 01 contain {marker!r}"
+    return found[0]
+
+
+def run(scope: dict, *markers: str) -> dict:
+    """Run the lesson's cells that contain ``markers``, in order, in ``scope`` (the notebook's globals)."""
+    for marker in markers:
+        exec(compile(code(marker), f"<lesson 01: {marker}>", "exec"), scope)
+    return scope
+
+
+def define(scope: dict, marker: str, *functions: str) -> dict:
+    """Run only the functions ``functions`` of the cell with ``marker``, and its constants (top-level assignments of
+    a value written out, such as ``hold_cycles = 2**21``)."""
+    tree = ast.parse(code(marker))
+    constant = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.Tuple)
+    kept = [node for node in tree.body if getattr(node, "name", None) in functions or isinstance(node, ast.Assign)
+            and isinstance(node.value, constant) and not any(isinstance(n, ast.Name) for n in ast.walk(node.value))]
+    assert {n.name for n in kept if hasattr(n, "name")} == set(functions)
+    exec(compile(ast.Module(kept, type_ignores=[]), f"<lesson 01: {marker}>", "exec"), scope)
+    return scope
+
+
+@pytest.fixture
+def on_the_stand_in(cuda_stand_in, monkeypatch):
+    """Quick mode on the CPU playing an H200: the lesson's setup cells run as they run there; returns their globals."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the setup cell sets it where tensors live on the host: put back after
+    monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
+    scope = {"__name__": "__main__", "device": torch.device("cpu"), "gpulab": gpulab}
+    run(scope, "def crossover(verdicts)")
+    scope["displayed"] = []
+    scope["display"] = scope["displayed"].append
+    yield scope
+    plt.close("all")
+
+
+# Costs of the H200 of 2026-11-28, as lesson 01 printed them there (quick mode): Python launched a copy about 23 µs
+# before the GPU ran it (a 0.5 MB copy: 26.9 µs warm on an idle GPU, 3.9 µs cold behind the flush), queued 20
+# 256×256 matmuls in 0.581 ms, and a small add in 6 µs; the L2 flush writes 256 MiB at about 4.2 TB/s.
+COPY_LAUNCH_S = 23e-6
+COPY_S = {"warm": 3.0e-6, "cold": 3.9e-6}  # the GPU's own time for a 0.25 MB copy
+FLUSH_S = 2**28 / 4.2e12
+MATMUL_LAUNCH_S = 0.581e-3 / 20
+FP32_FLOPS = 50e12  # an H200's fp32 matmuls without TF32 (its ceiling: 51.9 TFLOP/s, lesson 09's H200 rows)
+SMALL_OP_S = 6e-6
+
+
+class OnTheQueue:
+    """A buffer on the simulated GPU: ``copy_`` and ``zero_`` cost Python a launch on the host clock, then queue the
+    GPU's time; ``l2`` remembers what the last operation left in L2 (a copy: its source and destination)."""
+
+    def __init__(self, gpu, l2: dict):
+        self.gpu, self.l2 = gpu, l2
+
+    def copy_(self, src):
+        time.sleep(COPY_LAUNCH_S)
+        self.gpu.launch(COPY_S["warm" if self.l2.get("held") == (src, self) else "cold"])
+        self.l2["held"] = (src, self)
+
+    def zero_(self):
+        time.sleep(COPY_LAUNCH_S)
+        self.gpu.launch(FLUSH_S)
+        self.l2["held"] = None
+
+
+def test_warm_and_cold_copies_are_both_timed_behind_a_busy_gpu_so_neither_times_its_launch():
+    """On the H200 the warm copies were timed on an idle GPU (their start event stamped before Python had launched the
+    copy) and the cold ones behind the flush: a 0.5 MB copy read 26.9 µs warm and 3.9 µs cold. With the launch
+    injected here, each way must read the GPU's own time for the copy, warm below cold."""
+    scope = {"__name__": "__main__", "torch": torch, "gpulab": gpulab, "device": GPU}
+    define(scope, "def copies_alone(", "copies_alone")
+    with virtual_clock(), simulated_gpu() as gpu:
+        l2 = {}
+        scope["flush"] = OnTheQueue(gpu, l2)
+        src, dst = OnTheQueue(gpu, l2), OnTheQueue(gpu, l2)
+        timed = {cache: scope["copies_alone"](src, dst, cache) for cache in ("warm", "cold", "warm")}
+    for cache, m in timed.items():
+        assert m.cache == cache and len(m.times) == 5
+        assert m.times == pytest.approx([COPY_S[cache]] * 5, rel=1e-6), f"{cache}: {m.times}"
+
+
+def test_the_text_says_the_copies_are_queued_behind_a_spin_and_what_each_way_measures():
+    text = next(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.get("id") == "lesson01-06")
+    assert "torch.cuda._sleep" in text and "the launch" in text
+    assert "warm, with whatever of\nsource and destination the previous copy left in L2" in text
+    assert "cold, with every byte read from device memory" in text
+
+
+# ----- the vector add: below the ceiling, beside the copy -----------------------------------------------------------------
+
+H200_PEAK_GBS = 4814.0  # device memory's theoretical bandwidth, as lesson 01 printed it on the H200 (6016-bit, 3.2 GHz)
+H200_GBS = {"copy": 4125.8, "PyTorch x + y": 4286.4, "Triton": 4259.9, "CUDA C": 3413.6}  # its quick run's medians
+
+
+def h200_timings(scope: dict):
+    """``gpulab.bench`` and ``gpulab.compare`` answering with the H200's bandwidths (for the arrays the cell made)."""
+    def seconds(label):
+        moved = (2 if label == "copy" else 3) * scope["x"].nbytes
+        return moved / (H200_GBS[label] * 1e9)
+
+    def bench(fn, label, min_time):
+        return gpulab.Measurement(label, (seconds(label),) * 5, "cuda:0", 2, "warm")
+
+    def compare(baseline, candidate, labels, **options):
+        copy_s, add_s = seconds(labels[0]), seconds(labels[1])
+        return gpulab.Comparison.of([copy_s * (1 + j) for j in (-0.002, 0, 0.002, -0.001, 0.001)], [add_s] * 5,
+                                    labels=labels)
+
+    return bench, compare
+
+
+def test_the_vector_add_shows_no_share_above_100_percent_and_calls_only_device_memory_the_ceiling(
+        on_the_stand_in, monkeypatch, capsys, results_dir):
+    """The H200 printed 'copy (the ceiling)' and 'PyTorch x + y … 104% of the copy bandwidth' in one table. The copy is
+    a yardstick that an add (two reads per write) can pass; the ceiling is device memory's theoretical bandwidth."""
+    scope = on_the_stand_in
+    monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 4096)))
+    bench, compare = h200_timings(scope)
+    scope.update(peak_gbs=H200_PEAK_GBS, have_triton=True, triton_add=torch.add, cuda_add=torch.add,
+                 gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
+    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    out = capsys.readouterr().out
+    shares = [float(p) for p in re.findall(r"(\d+(?:\.\d+)?)\s?%", out)]
+    assert shares and max(shares) <= 100, out
+    table = {line.split()[0]: line for line in out.splitlines() if line.startswith(("copy ", "PyTorch", "Triton", "CUDA"))}
+    assert "ceiling" not in table["copy"] and "the yardstick" in table["copy"] and "(the ceiling)" not in out
+    assert "89%" in table["PyTorch"] and "1.04×" in table["PyTorch"] and "86%" in table["copy"]
+    assert "0.83×" in table["CUDA"] and "71%" in table["CUDA"]
+    assert "Faster than the copy (PyTorch x + y, Triton" in out and "stays above both" in out
+
+
+def test_without_a_reported_memory_clock_no_ceiling_is_shown_and_the_copy_stays_a_ratio(
+        on_the_stand_in, monkeypatch, capsys, results_dir):
+    scope = on_the_stand_in
+    monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 4096)))
+    bench, compare = h200_timings(scope)
+    scope.update(peak_gbs=None, have_triton=False, cuda_add=None,
+                 gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
+    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    out = capsys.readouterr().out
+    assert not re.search(r"\d\s?%", out.split("Reference")[0]), out
+    assert "1.04×" in out and "no ceiling is shown" in out
+
+
+# ----- which calls wait: measured with the queue full, beside the sync-debug mode's warnings ------------------------------
+
+class QueuedTorch(TorchFunctionMode):
+    """torch's calls as an H200 runs them, on the simulated GPU: a matmul or a sum costs Python its launch and queues
+    the GPU's time (the matmul's result is not computed: nothing reads it); ``.item()``, ``.cpu()``, printing and
+    ``nonzero`` wait for the queue first, as torch's do (a copy to the host, a value, a shape that depends on the
+    values), and warn while the sync-debug mode is on; printing a thousand numbers also costs 24 ms of its own."""
+
+    def __init__(self, gpu):
+        super().__init__()
+        self.gpu = gpu
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "matmul":
+            a = args[0]
+            time.sleep(MATMUL_LAUNCH_S)
+            self.gpu.launch(2 * a.shape[0] * a.shape[1] * args[1].shape[1] / FP32_FLOPS)
+            return a
+        if name == "sum":
+            time.sleep(SMALL_OP_S)
+            self.gpu.launch(SMALL_OP_S / 3)
+        if name in ("item", "cpu", "__repr__", "nonzero"):
+            if torch.cuda.get_sync_debug_mode() in (1, "warn"):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+            self.gpu.wait()
+            time.sleep(24e-3 if name == "__repr__" else SMALL_OP_S)
+        return func(*args, **kwargs)
+
+
+def test_the_waits_are_measured_with_work_left_in_the_queue_and_agree_with_the_sync_debug_warnings(
+        on_the_stand_in, monkeypatch, capsys, results_dir):
+    """On the H200 (quick mode) twenty 256×256 matmuls ran as fast as Python queued them, so nothing was left to wait
+    for: `x.cpu()` and `torch.nonzero(x)` were said to 'return at once', `print(x)` to wait only by its own 24 ms, while
+    the sync-debug mode warned on all three. With the H200's costs injected, every call that synchronises in torch
+    must be measured as waiting, the sum as not, and the two cells must say the same."""
+    scope = on_the_stand_in
+    with virtual_clock(), simulated_gpu() as gpu, QueuedTorch(gpu):
+        run(scope, "def wall_seconds(synchronize)", "def blocked_ms(call", 'set_sync_debug_mode("warn")')
+    out = capsys.readouterr().out
+    verdicts = dict(re.findall(r"^(\S+(?: \S+)?)\s+waited .*  (waits for the GPU|returns at once|unclear.*)$", out, re.M))
+    assert verdicts == {"x.sum()": "returns at once", "x.sum().item()": "waits for the GPU",
+                        "x.cpu()": "waits for the GPU", "print(x)": "waits for the GPU",
+                        "torch.nonzero(x)": "waits for the GPU"}, out
+    assert scope["n"] == 2048 and scope["waits"] == {"x.sum()": False, "x.sum().item()": True, "x.cpu()": True,
+                                                     "print(x)": True, "torch.nonzero(x)": True}
+    assert "agree on every call measured (5 of 5)" in out
+    assert re.search(r"x\.cpu\(\)\s+warned: synchronising call\s+measured above: waited", out)
+
+
+def test_with_an_empty_queue_no_call_is_said_to_wait_or_not(on_the_stand_in, capsys, results_dir):
+    """On the stand-in (a CPU: work is done when the call returns) nothing is queued: no verdict is given."""
+    scope = on_the_stand_in
+    scope.update(timings={"torch.cuda.synchronize()": 1e-3, "no synchronize": 1e-3}, work=lambda: None)
+    run(scope, "def blocked_ms(call")
+    out = capsys.readouterr().out
+    assert "Nothing was left in the queue" in out and scope["waits"] == {}

@@ -9,9 +9,9 @@ on a CPU, where nothing waits, so a check can tell that a loop *would* stall a G
 A GPU can be stood in for on a machine without one in two ways. ``observe(fake_meta_reads=True)``
 lets the "meta" device play the GPU: code runs on meta tensors, every transfer back to the host is
 recorded in ``to_host`` and reads as zeros instead of failing. ``simulated_gpu()`` plays a GPU's
-queue and clock: work queued with ``gpu.launch(seconds)`` returns at once and "runs" in real time,
-and ``torch.cuda.synchronize()``, CUDA events and streams wait for it, so a timer that does not
-synchronise measures the wrong thing there exactly as it does on a GPU.
+queue and clock: work queued with ``gpu.launch(seconds)`` (or ``torch.cuda._sleep(cycles)``) returns at once
+and "runs" in real time, and ``torch.cuda.synchronize()``, CUDA events and streams wait for it, so a timer
+that does not synchronise measures the wrong thing there exactly as it does on a GPU.
 """
 
 import time
@@ -209,7 +209,10 @@ def _synchronize_spies(seen: Observed) -> dict:
 
 class SimulatedGpu:
     """A GPU's queue played on the host: ``launch(seconds)`` queues work and returns at once; the work
-    "runs" item after item in real time, and waiting calls sleep until the queue reaches them."""
+    "runs" item after item in real time, and waiting calls sleep until the queue reaches them. Its clock runs at
+    ``clock_hz`` (an H200's top SM clock), which turns ``torch.cuda._sleep``'s cycles into seconds."""
+
+    clock_hz = 1.98e9
 
     def __init__(self):
         self.busy_until = time.perf_counter()
@@ -232,8 +235,9 @@ def simulated_gpu() -> Iterator[SimulatedGpu]:
     """For the block: ``torch.cuda`` reports a GPU whose queue is a ``SimulatedGpu``.
 
     ``torch.cuda.synchronize()``, ``Event`` (``record``, ``synchronize``, ``query``, ``elapsed_time`` in ms,
-    refused until both events have completed, as CUDA does), ``Stream``, ``current_stream()`` and
-    ``torch.cuda.stream(...)`` work on it. Tensors cannot be put on it: only timing code runs here.
+    refused until both events have completed, as CUDA does), ``Stream``, ``current_stream()``,
+    ``torch.cuda.stream(...)`` and ``torch.cuda._sleep(cycles)`` (a kernel that spins for ``cycles`` clocks:
+    aten/src/ATen/cuda/Sleep.cu) work on it. Tensors cannot be put on it: only timing code runs here.
     """
     gpu = SimulatedGpu()
 
@@ -291,6 +295,7 @@ def simulated_gpu() -> Iterator[SimulatedGpu]:
         "torch.cuda.current_stream": lambda device=None: stream,
         "torch.cuda.default_stream": lambda device=None: stream,
         "torch.cuda.stream": lambda s=None: nullcontext(),
+        "torch.cuda._sleep": lambda cycles: gpu.launch(cycles / gpu.clock_hz),
     }
     with ExitStack() as stack:
         for name, patched in patches.items():
