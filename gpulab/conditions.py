@@ -33,6 +33,11 @@ from . import nvml
 
 nan = math.nan
 POWER = ("SW power cap", "power brake", "board limit")  # held at the power limit: what dense work does
+# A power flag is the power limit at work where the lowest SM clock fell more than SLOWED under the card's maximum, or
+# the power drawn came within NEAR_LIMIT of the limit. The H200 (lesson 09 on 2026-11-28, in tests/data) was flagged at
+# 200-640 W of 700 with its clock at most one 15 MHz step (0.8 %) under 1980: boost jitter. Held down, it ran
+# 1380-1875 MHz (5-30 % under) at 678-706 W and 1515-1575 MHz at 554-557 W; 1920-1965 MHz only at 694-697 W.
+SLOWED, NEAR_LIMIT = 0.05, 0.95
 HEAT = ("SW thermal slowdown", "HW thermal slowdown", "HW slowdown", "thermal slowdown")
 
 
@@ -70,14 +75,14 @@ class Conditions:
 
     @property
     def at_power_limit(self) -> bool:
-        """The power limit held the clocks down: power near the limit (90 %), or the SM clock below the card's
-        maximum; True where neither can be read."""
-        known = self.gpu_power_w == self.gpu_power_w and self.gpu_power_limit_w == self.gpu_power_limit_w
-        slowed = self.sm_clock_low_mhz == self.sm_clock_low_mhz and self.sm_clock_max_mhz == self.sm_clock_max_mhz \
-            and self.sm_clock_low_mhz < self.sm_clock_max_mhz
-        if not known and not slowed:
+        """The power limit held the clocks down: the lowest SM clock more than 5 % under the card's maximum (a step
+        under it is boost jitter), or power within 5 % of the limit; True where neither can be read."""
+        clock_known = self.sm_clock_low_mhz == self.sm_clock_low_mhz and self.sm_clock_max_mhz == self.sm_clock_max_mhz
+        power_known = self.gpu_power_w == self.gpu_power_w and self.gpu_power_limit_w == self.gpu_power_limit_w
+        if not clock_known and not power_known:
             return True
-        return slowed or (known and self.gpu_power_w >= 0.9 * self.gpu_power_limit_w)
+        slowed = clock_known and self.sm_clock_low_mhz < (1 - SLOWED) * self.sm_clock_max_mhz
+        return slowed or (power_known and self.gpu_power_w >= NEAR_LIMIT * self.gpu_power_limit_w)
 
     def clocks(self) -> str:
         """The SM clock over the span in words ("1515–1980 MHz of 1980"), "" where unknown."""
@@ -103,12 +108,22 @@ class Conditions:
         elif power:  # NVML raises the flag at low power too (the H200 did so on PCIe copies at 130-250 W of 700)
             drawn = (f" at {self.gpu_power_w:.0f} W of {self.gpu_power_limit_w:.0f} W"
                      if self.gpu_power_w == self.gpu_power_w and self.gpu_power_limit_w == self.gpu_power_limit_w else "")
-            said.append(f"NVML reported {', '.join(power)}{drawn}, with the SM clock at its maximum")
+            said.append(f"NVML reported {', '.join(power)}{drawn}{self._clock_unslowed()}")
         if heat:
             said.append(f"the GPU slowed down for heat or a hardware limit ({', '.join(heat)}{clocks if not power else ''})")
         if other:
             said.append(f"the GPU's clocks were held down ({', '.join(other)})")
         return said
+
+    def _clock_unslowed(self) -> str:
+        """Where the SM clock stayed, for a power flag that did not slow it ("" where unknown)."""
+        if self.sm_clock_low_mhz != self.sm_clock_low_mhz:
+            return ""
+        if self.sm_clock_max_mhz != self.sm_clock_max_mhz:
+            return f", with the SM clock at {self.clocks()}"
+        if self.sm_clock_low_mhz >= self.sm_clock_max_mhz:
+            return ", with the SM clock at its maximum"
+        return f", with the SM clock within {SLOWED:.0%} of its maximum ({self.clocks()})"
 
     def advice(self) -> str:
         """What to do before trusting the number: "" when the conditions were fit to measure."""

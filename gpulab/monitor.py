@@ -116,10 +116,7 @@ class Monitor:
 
     def _open(self):
         nv = self._nvml.enter_context(nvml.session())
-        try:
-            return nv, nvml.handle_for(nv, self.index)
-        except nv.NVMLError as err:
-            raise nvml.NvmlUnavailable(f"NVML has no GPU {self.index}: {err}") from None
+        return nv, nvml.handle_for(nv, self.index)
 
     def _run(self, nv, handle) -> None:
         while True:  # at least one sample, however short the run

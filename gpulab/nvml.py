@@ -51,8 +51,8 @@ def available() -> tuple[bool, str]:
 
 
 def handle_for(nv, index: int = 0):
-    """The NVML handle of torch's CUDA device ``index`` (matched by PCI bus id, as
-    CUDA_VISIBLE_DEVICES may renumber devices)."""
+    """The NVML handle of torch's CUDA device ``index`` (matched by PCI bus id, as CUDA_VISIBLE_DEVICES may renumber
+    devices); raises NvmlUnavailable where NVML has no such GPU."""
     if torch.cuda.is_available() and index < torch.cuda.device_count():
         props = torch.cuda.get_device_properties(index)
         bus = getattr(props, "pci_bus_id", None)
@@ -62,7 +62,10 @@ def handle_for(nv, index: int = 0):
                 return nv.nvmlDeviceGetHandleByPciBusId(pci.encode())
             except nv.NVMLError:
                 pass
-    return nv.nvmlDeviceGetHandleByIndex(index)
+    try:
+        return nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError as err:
+        raise NvmlUnavailable(f"NVML has no GPU {index}: {err}", str(err)) from None
 
 
 def query(nv, fn, *args, default=None):
@@ -99,10 +102,7 @@ def shared(index: int = 0):
             raise NvmlUnavailable(nv)
         handles = _shared.setdefault("handles", {})
         if index not in handles:
-            try:
-                handles[index] = handle_for(nv, index)
-            except nv.NVMLError as err:
-                raise NvmlUnavailable(f"NVML has no GPU {index}: {err}") from None
+            handles[index] = handle_for(nv, index)
         return nv, handles[index]
 
 

@@ -78,3 +78,13 @@ def course_device(request):
 
     with installed("NVIDIA H200"):
         yield torch.device("cpu")
+
+
+@pytest.fixture
+def fake_nvml_card():
+    """An H200 played by tests/fake_libnvml.py in place of libnvidia-ml, under nvidia-ml-py's real wrappers (it proves
+    the Python around NVML's C calls, never a GPU's values): set its readings, then read them through gpulab."""
+    from . import fake_libnvml
+
+    with fake_libnvml.installed(fake_libnvml.h200()) as library:
+        yield library.cards[0]

@@ -2,12 +2,16 @@
 (gpulab.nvml), on real H200 traces and a fake NVML: nothing here needs a GPU."""
 
 import math
-import types
+import time
 from pathlib import Path
 
+import pynvml
 import pytest
+import torch
 
 from gpulab import busy, nvml, traces
+
+from . import fake_libnvml
 
 H200 = Path(__file__).parent / "data" / "h200" / "06"
 
@@ -25,59 +29,78 @@ def test_the_busy_share_is_kernel_time_over_the_profiled_steps_window():
     assert row["kernel_busy"] == measured.kernel_share and math.isnan(row["nvml_util"])
 
 
-class FakeGpm:
-    """nvidia-ml-py's GPM calls on a GPU that offers them (``supported``) with an SM activity of ``value`` %."""
-
-    class NVMLError(Exception):
-        pass
-
-    NVML_GPM_METRICS_GET_VERSION, NVML_GPM_METRIC_SM_UTIL = 1, 2
-
-    def __init__(self, supported=True, value=87.5):
-        self.supported, self.value, self.freed, self.samples = supported, value, [], 0
-
-    def nvmlGpmQueryDeviceSupport(self, handle):
-        return types.SimpleNamespace(isSupportedDevice=int(self.supported))
-
-    def nvmlGpmSampleAlloc(self):
-        self.samples += 1
-        return f"sample{self.samples}"
-
-    def nvmlGpmSampleGet(self, handle, sample):
-        return sample
-
-    def nvmlGpmSampleFree(self, sample):
-        self.freed.append(sample)
-
-    def c_nvmlGpmMetricsGet_t(self):
-        metric = types.SimpleNamespace(metricId=None, value=None, nvmlReturn=None)
-        return types.SimpleNamespace(version=None, numMetrics=None, sample1=None, sample2=None, metrics=[metric])
-
-    def nvmlGpmMetricsGet(self, request):
-        assert request.metrics[0].metricId == self.NVML_GPM_METRIC_SM_UTIL and request.sample1 != request.sample2
-        request.metrics[0].value, request.metrics[0].nvmlReturn = self.value, 0
-        return request
+@pytest.fixture
+def h200():
+    """The H200 (GPM offered) in place of libnvidia-ml; yields the fake library, NVML started as gpulab keeps it."""
+    with fake_libnvml.installed(fake_libnvml.h200(sm_activity_pct=87.5)) as library:
+        yield library
 
 
-def test_gpm_sm_activity_over_a_span_frees_its_samples():
-    nv = FakeGpm()
-    start = nvml.gpm_sample(nv, "gpu0")
-    assert nvml.gpm_sm_activity(nv, "gpu0", start) == 87.5 and sorted(nv.freed) == ["sample1", "sample2"]
+def test_gpm_sm_activity_over_a_span_frees_its_samples(h200):
+    nv, handle = nvml.shared(0)
+    start = nvml.gpm_sample(nv, handle)
+    assert h200.gpm_samples_held == 1
+    assert nvml.gpm_sm_activity(nv, handle, start) == 87.5 and h200.gpm_samples_held == 0
 
 
-def test_a_failed_gpm_reading_still_frees_both_samples():
-    nv = FakeGpm()
-    start = nvml.gpm_sample(nv, "gpu0")
+def test_the_activity_is_the_spans_between_its_two_samples(h200):
+    nv, handle = nvml.shared(0)
+    h200.cards[0].sm_activity_pct = 10.0
+    start = nvml.gpm_sample(nv, handle)
+    h200.cards[0].sm_activity_pct = 63.0  # what the SMs did between the two samples
+    assert nvml.gpm_sm_activity(nv, handle, start) == 63.0
 
-    def fails(handle, sample):
-        raise nv.NVMLError("GPU is lost")
 
-    nv.nvmlGpmSampleGet = fails
-    assert math.isnan(nvml.gpm_sm_activity(nv, "gpu0", start)) and sorted(nv.freed) == ["sample1", "sample2"]
+def test_a_failed_gpm_reading_still_frees_both_samples(h200):
+    nv, handle = nvml.shared(0)
+    start = nvml.gpm_sample(nv, handle)
+    h200.cards[0].errors["nvmlGpmSampleGet"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    assert math.isnan(nvml.gpm_sm_activity(nv, handle, start)) and h200.gpm_samples_held == 0
+    assert h200.calls.count("nvmlGpmSampleFree") == 2
+
+
+def test_a_failed_first_gpm_reading_frees_its_sample(h200):
+    nv, handle = nvml.shared(0)
+    h200.cards[0].errors["nvmlGpmSampleGet"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    assert nvml.gpm_sample(nv, handle) is None and h200.gpm_samples_held == 0
 
 
 def test_gpm_on_a_gpu_before_hopper_is_unknown():
-    nv = FakeGpm(supported=False)
-    assert nvml.gpm_sample(nv, "gpu0") is None and math.isnan(nvml.gpm_sm_activity(nv, "gpu0", None))
-    old = types.SimpleNamespace(NVMLError=FakeGpm.NVMLError)  # an nvidia-ml-py without GPM at all
-    assert nvml.gpm_sample(old, "gpu0") is None
+    with fake_libnvml.installed(fake_libnvml.t4()) as library:
+        nv, handle = nvml.shared(0)
+        assert nvml.gpm_sample(nv, handle) is None and math.isnan(nvml.gpm_sm_activity(nv, handle, None))
+    assert library.gpm_samples_held == 0 and "nvmlGpmSampleAlloc" not in library.calls
+
+
+def test_gpm_without_it_in_the_driver_or_in_nvidia_ml_py_is_unknown(monkeypatch):
+    gpm = ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmSampleFree", "nvmlGpmMetricsGet")
+    with fake_libnvml.installed(fake_libnvml.h200(), missing=gpm):  # an older driver
+        nv, handle = nvml.shared(0)
+        assert nvml.gpm_sample(nv, handle) is None
+    for name in gpm:  # an nvidia-ml-py without GPM at all
+        monkeypatch.delattr(pynvml, name)
+    with fake_libnvml.installed(fake_libnvml.h200()):
+        nv, handle = nvml.shared(0)
+        assert nvml.gpm_sample(nv, handle) is None and math.isnan(nvml.gpm_sm_activity(nv, handle, None))
+
+
+# ---------------------------------------------------------------- busy's NVML readings while the step runs unprofiled
+
+
+def test_nvml_readings_are_utilisation_and_sm_activity_as_fractions(h200, monkeypatch):
+    waits = []
+    monkeypatch.setattr(busy, "synced_clock", lambda device: waits.append(device))  # no queue to wait for on a CPU
+    h200.cards[0].gpu_util_pct = 100
+    steps = []
+    util, activity = busy._nvml_readings(lambda: steps.append(time.sleep(0.01)), torch.device("cuda", 0), 0.25)
+    assert util == 1.0 and activity == 0.875 and steps and waits
+    assert h200.gpm_samples_held == 0 and h200.calls.count("nvmlDeviceGetUtilizationRates") >= 1
+
+
+def test_nvml_readings_without_nvml_or_gpm_are_unknown(monkeypatch):
+    monkeypatch.setattr(busy, "synced_clock", lambda device: None)
+    with fake_libnvml.absent():
+        assert all(math.isnan(v) for v in busy._nvml_readings(lambda: None, torch.device("cuda", 0), 0.0))
+    with fake_libnvml.installed(fake_libnvml.t4(gpu_util_pct=40)):
+        util, activity = busy._nvml_readings(lambda: time.sleep(0.01), torch.device("cuda", 0), 0.15)
+    assert util == 0.4 and math.isnan(activity)

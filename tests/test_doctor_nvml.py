@@ -2,15 +2,16 @@
 printed, on a machine without a driver, NVML "ok" while "not reachable", with the advice to install nvidia-ml-py,
 which was installed."""
 
+import os
 import sys
-from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from gpulab import doctor, nvml
+from gpulab import doctor
 from gpulab.doctor import Severity
+
+from . import fake_libnvml
 
 
 def nvml_finding() -> doctor.Finding:
@@ -19,16 +20,11 @@ def nvml_finding() -> doctor.Finding:
 
 
 @pytest.fixture
-def no_nvml_library(monkeypatch):
+def no_nvml_library():
     """nvidia-ml-py importable, NVML's library not (as on this CI machine, and in a container without the driver's
-    utility libraries): nvml.session raises what nvml.py raises there, with NVML's own error as its reason."""
-    @contextmanager
-    def session():
-        raise nvml.NvmlUnavailable("NVML could not start (NVML Shared Library Not Found)",
-                                   "NVML Shared Library Not Found")
+    utility libraries): loading libnvidia-ml.so.1 fails, and NVML's own error is the reason."""
+    with fake_libnvml.absent():
         yield
-
-    monkeypatch.setattr(nvml, "session", session)
 
 
 def test_an_ok_finding_never_advises_a_fix():
@@ -55,18 +51,35 @@ def test_an_installed_module_without_nvml_is_never_told_to_install_it(monkeypatc
     assert "no NVIDIA driver on this machine?" not in finding.summary  # not a guess that torch's GPU contradicts
 
 
-def test_nvml_that_answers_is_ok_with_its_driver(monkeypatch):
-    class NVMLError(Exception):
-        pass
-
-    fake = SimpleNamespace(NVMLError=NVMLError, nvmlDeviceGetCount=lambda: 0,
-                           nvmlSystemGetDriverVersion=lambda: b"580.159.04")  # the H200's driver
-
-    @contextmanager
-    def session():
-        yield fake
-
-    monkeypatch.setattr(nvml, "session", session)
-    finding = nvml_finding()
+def test_nvml_that_answers_is_ok_with_its_driver():
+    with fake_libnvml.installed(fake_libnvml.h200()):  # the H200's driver, 580.159.04
+        finding = nvml_finding()
     assert finding.severity == Severity.OK and not finding.fix
-    assert "580.159.04" in finding.summary and "0 GPU(s)" in finding.summary
+    assert "580.159.04" in finding.summary and "1 GPU(s)" in finding.summary
+
+
+def test_each_gpus_clocks_throttling_and_other_processes_are_read_through_nvml():
+    card = fake_libnvml.h200(sm_clock_mhz=1515, temp_c=64, reasons=fake_libnvml.SW_POWER_CAP,
+                             processes=[(os.getpid(), 2**30), (4242, 3 * 10**9), (4343, None)])
+    with fake_libnvml.installed(card):
+        findings = {f.check: f for f in doctor._nvml_findings()}
+    assert findings["GPU 0 (NVIDIA H200) clocks"].summary == "SM clock 1515 of 1980 MHz, 64 °C"
+    throttling = findings["GPU 0 (NVIDIA H200) throttling"]
+    assert throttling.severity == Severity.WARNING and throttling.summary == "clocks held back: power cap reached"
+    others = findings["GPU 0 (NVIDIA H200) other processes"]
+    assert others.summary == "2 other process(es) use this GPU (pids 4242, 4343; 3.0 GB)"  # 4343's memory: unknown
+
+
+def test_a_gpu_without_throttling_or_other_processes_is_ok():
+    with fake_libnvml.installed(fake_libnvml.t4(processes=[(os.getpid(), 2**30)])):
+        findings = {f.check: f for f in doctor._nvml_findings()}
+    assert findings["GPU 0 (Tesla T4) throttling"].summary == "no thermal or power throttling"
+    assert findings["GPU 0 (Tesla T4) other processes"].summary == "no other process is using it"
+
+
+@pytest.mark.parametrize("card, cuda", [(fake_libnvml.h200(), (13, 0)), (fake_libnvml.t4(), (12, 4))])
+def test_the_newest_cuda_the_driver_supports(card, cuda):
+    with fake_libnvml.installed(card):
+        assert doctor._driver_cuda_version() == cuda
+    with fake_libnvml.absent():
+        assert doctor._driver_cuda_version() is None

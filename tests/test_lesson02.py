@@ -1,15 +1,16 @@
 """Lesson 02: the NVML monitor, the transfer sweep, the synthetic images, the new figures and the exercise checks."""
 
+import contextlib
 import math
 import sys
 import time
-import types
 from time import perf_counter
 
 import matplotlib
 
 matplotlib.use("Agg")
 import pandas as pd  # noqa: E402
+import pynvml  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -22,54 +23,28 @@ from gpulab.monitor import COLUMNS, Monitor  # noqa: E402
 from gpulab.questions.lesson02 import _SCENARIOS, PER_LANE_GBS, _judge_measure, q1, q2, q3, q4, slow_loop  # noqa: E402
 from gpulab.transfers import GiB, KiB, MiB, Timeline, human_bytes, sizes, summary, sweep  # noqa: E402
 
+from . import fake_libnvml  # noqa: E402
 from .conftest import shown_solution  # noqa: E402
 from .test_lesson00 import stack_walker  # noqa: E402
 
 # ---------------------------------------------------------------- monitor
 
 
-def fake_pynvml(calls: list) -> types.ModuleType:
-    """A stand-in for nvidia-ml-py: fixed readings, power unsupported, every call logged in ``calls``."""
-    nv = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    nv.NVMLError = NVMLError
-    nv.NVML_TEMPERATURE_GPU = 0
-    nv.nvmlInit = lambda: calls.append("init")
-    nv.nvmlShutdown = lambda: calls.append("shutdown")
-    nv.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"
-    nv.nvmlDeviceGetHandleByPciBusId = lambda bus: "gpu0"
-    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=40)
-    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3 * 10**9, total=80 * 10**9)
-    nv.nvmlDeviceGetTemperature = lambda h, sensor: 61
-
-    def unsupported(h):
-        raise NVMLError("Not Supported")
-
-    nv.nvmlDeviceGetPowerUsage = unsupported
-    return nv
+def h200() -> fake_libnvml.Card:
+    """The H200 at fixed readings (87 % busy, 40 % memory activity, 3 GB used, 61 °C), its power not reported."""
+    return fake_libnvml.h200(gpu_util_pct=87, memory_util_pct=40, memory_used_bytes=3 * 10**9, temp_c=61,
+                             errors={"nvmlDeviceGetPowerUsage": pynvml.NVML_ERROR_NOT_SUPPORTED})
 
 
-def no_driver() -> types.ModuleType:
-    """nvidia-ml-py installed, but no NVIDIA driver: nvmlInit fails, as on this course's CPU machines."""
-    nv = fake_pynvml([])
-
-    def fail():
-        raise nv.NVMLError("NVML Shared Library Not Found")
-
-    nv.nvmlInit = fail
-    return nv
-
-
-@pytest.mark.parametrize(("module", "reason"), [(None, "nvidia-ml-py"), (no_driver(), "could not start")],
+@pytest.mark.parametrize("missing, reason", [("nvidia-ml-py", "nvidia-ml-py"), ("driver", "could not start")],
                          ids=["no pynvml", "no driver"])
-def test_monitor_without_nvml_says_why_and_gives_an_empty_frame(monkeypatch, capsys, module, reason):
-    monkeypatch.setitem(sys.modules, "pynvml", module)  # None: `import pynvml` fails
-    with Monitor(interval=0.01) as monitor:
-        monitor.mark("phase")
-        time.sleep(0.03)
+def test_monitor_without_nvml_says_why_and_gives_an_empty_frame(monkeypatch, capsys, missing, reason):
+    if missing == "nvidia-ml-py":
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails
+    with fake_libnvml.absent() if missing == "driver" else contextlib.nullcontext():  # no libnvidia-ml.so.1
+        with Monitor(interval=0.01) as monitor:
+            monitor.mark("phase")
+            time.sleep(0.03)
     out = capsys.readouterr().out
     assert out.count("gpulab.monitor:") == 1 and reason in out
     frame = monitor.frame()
@@ -85,10 +60,8 @@ def _until(condition, timeout: float = 30) -> None:
         time.sleep(0.005)
 
 
-def test_monitor_samples_into_a_frame(monkeypatch):
-    calls = []
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(calls))
-    with Monitor(interval=0.005, device="cpu") as monitor:
+def test_monitor_samples_into_a_frame():
+    with fake_libnvml.installed(h200()) as library, Monitor(interval=0.005, device="cpu") as monitor:
         monitor.mark("first")
         _until(lambda: (monitor.frame()["phase"] == "first").any())  # polled: a busy machine may delay the sampler
         monitor.mark("second")
@@ -99,18 +72,20 @@ def test_monitor_samples_into_a_frame(monkeypatch):
     assert {"first", "second"} <= set(frame["phase"])
     assert (frame["gpu_util_pct"] == 87).all() and (frame["mem_util_pct"] == 40).all()
     assert (frame["mem_used_gb"] == 3).all() and (frame["temp_c"] == 61).all()
+    assert (frame["sm_clock_mhz"] == 1980).all() and (frame["throttle"] == "").all()  # the SM clock; GPU idle is no reason
     assert frame["power_w"].isna().all()  # unsupported on this "GPU": NaN, not an error
     assert monitor.mean(phase="second") == 87 and math.isnan(monitor.mean(phase="never"))
-    assert calls == ["init", "shutdown"]  # NVML released when the monitor stops
+    starts = [call for call in library.calls if call in ("nvmlInitWithFlags", "nvmlShutdown")]
+    assert starts == ["nvmlInitWithFlags", "nvmlShutdown"] and library.inits == 0  # NVML released when it stops
 
 
-def test_monitor_stops_sampling_and_refuses_a_second_start(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([]))
-    monitor = Monitor(interval=0.005).start()
-    with pytest.raises(RuntimeError, match="already running"):
-        monitor.start()
-    monitor.stop()
-    monitor.stop()
+def test_monitor_stops_sampling_and_refuses_a_second_start():
+    with fake_libnvml.installed(h200()):
+        monitor = Monitor(interval=0.005).start()
+        with pytest.raises(RuntimeError, match="already running"):
+            monitor.start()
+        monitor.stop()
+        monitor.stop()
     count = len(monitor.frame())
     time.sleep(0.03)
     assert len(monitor.frame()) == count >= 1

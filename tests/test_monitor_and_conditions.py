@@ -1,7 +1,8 @@
 """The machine's state beside every measurement (gpulab.conditions) and in the monitor's samples.
 
-NVML is always a fake here (no driver on the course's CPU machines), and the load average and the core count
-are always set by the test: nothing depends on how busy the machine running the tests is.
+NVML is always a fake here (no driver on the course's CPU machines): libnvidia-ml played by tests/fake_libnvml.py under
+nvidia-ml-py's real wrappers. The load average and the core count are always set by the test: nothing depends on how
+busy the machine running the tests is.
 """
 
 import math
@@ -9,66 +10,42 @@ import os
 import sys
 import threading
 import time
-import types
+from pathlib import Path
 
+import pandas as pd
+import pynvml
 import pytest
 
 from gpulab import conditions, nvml
 from gpulab.conditions import Conditions, Watch, snapshot
 from gpulab.monitor import COLUMNS, Monitor
 
-IDLE, APP_CLOCKS, SW_POWER_CAP, HW_SLOWDOWN, HW_THERMAL = 0x1, 0x2, 0x4, 0x8, 0x40
+from . import fake_libnvml
+from .fake_libnvml import APP_CLOCKS, HW_SLOWDOWN, HW_THERMAL, IDLE, SW_POWER_CAP
+
+DATA = Path(__file__).parent / "data"
+ATTENTION = DATA / "h200" / "2026-11-28" / "09_attention_8192.csv"  # lesson 09 on the H200, 2026-11-28
+RUN = DATA / "lesson09" / "2026-11-28-h200"  # the same run's ceilings and monitor samples
 
 
-def fake_nvml(calls: list | None = None, reasons: int = 0, unsupported: tuple[str, ...] = ()) -> types.ModuleType:
-    """A stand-in for nvidia-ml-py on a GPU at 1980 of 1980 MHz, 71 °C, 650 of 700 W, clock event reasons
-    ``reasons`` (``nv.state`` changes them, and the throttle counters); every call logged in ``calls``;
-    the functions named in ``unsupported`` raise NVMLError as a GPU or driver without them does."""
-    calls = [] if calls is None else calls
-    nv = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    nv.NVMLError = NVMLError
-    nv.NVML_TEMPERATURE_GPU, nv.NVML_CLOCK_SM = 0, 1
-    nv.NVML_PERF_POLICY_POWER, nv.NVML_PERF_POLICY_THERMAL = 0, 1
-    nv.state = types.SimpleNamespace(reasons=reasons, clock=1980, violation_ns={0: 5_000, 1: 0})
-    nv.nvmlInit = lambda: calls.append("init")
-    nv.nvmlShutdown = lambda: calls.append("shutdown")
-    nv.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"
-    nv.nvmlDeviceGetHandleByPciBusId = lambda bus: "gpu0"
-    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=40)
-    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3 * 10**9, total=80 * 10**9)
-    nv.nvmlDeviceGetTemperature = lambda h, sensor: 71
-    nv.nvmlDeviceGetPowerUsage = lambda h: 650_000
-    nv.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
-    nv.nvmlDeviceGetClockInfo = lambda h, clock: nv.state.clock
-    nv.nvmlDeviceGetMaxClockInfo = lambda h, clock: 1980
-    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: nv.state.reasons
-    nv.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: nv.state.reasons
-    nv.nvmlDeviceGetViolationStatus = lambda h, policy: types.SimpleNamespace(
-        referenceTime=0, violationTime=nv.state.violation_ns[policy])
-
-    def unsupported_query(*args):
-        raise NVMLError("Not Supported")
-
-    for name in unsupported:
-        setattr(nv, name, unsupported_query)
-    return nv
+def h200(**readings) -> fake_libnvml.Card:
+    """The H200 at 1980 of 1980 MHz, 71 °C, 650 of 700 W, 87 % busy, 3 GB used, 5 µs throttled by power so far."""
+    return fake_libnvml.h200(**{"temp_c": 71, "power_w": 650, "gpu_util_pct": 87, "memory_util_pct": 40,
+                                "memory_used_bytes": 3 * 10**9, "violation_ns": {pynvml.NVML_PERF_POLICY_POWER: 5_000},
+                                **readings})
 
 
 @pytest.fixture
-def use_nvml(monkeypatch):
-    """Install a fake (or None: ``import pynvml`` fails) as pynvml, with no NVML session left from elsewhere."""
-    nvml.close_shared()
+def gpu():
+    """That H200 in place of libnvidia-ml; yields the fake library (``gpu.cards[0]`` is the card, ``gpu.calls`` its
+    C calls)."""
+    with fake_libnvml.installed(h200()) as library:
+        yield library
 
-    def install(module):
-        monkeypatch.setitem(sys.modules, "pynvml", module)
-        return module
 
-    yield install
-    nvml.close_shared()
+def nvml_starts(library) -> list[str]:
+    """The library's nvmlInit and nvmlShutdown calls, in order."""
+    return [call for call in library.calls if call in ("nvmlInitWithFlags", "nvmlShutdown")]
 
 
 def machine(monkeypatch, load: float, cores: int) -> None:
@@ -104,19 +81,16 @@ def test_without_a_load_average_there_is_no_caveat(monkeypatch):
     assert math.isnan(state.load_avg) and state.caveats() == []
 
 
-def test_a_cpu_snapshot_never_touches_nvml(use_nvml):
-    calls = []
-    use_nvml(fake_nvml(calls, reasons=SW_POWER_CAP))
+def test_a_cpu_snapshot_never_touches_nvml(gpu):
+    gpu.cards[0].reasons = SW_POWER_CAP
     state = snapshot("cpu")
-    assert calls == [] and not state.gpu and not state.throttled
+    assert gpu.calls == [] and not state.gpu and not state.throttled
     assert state.row() == {"load_avg": 0.5, "cpu_cores": 4, "caveat": ""}
 
 
-def test_the_default_device_on_a_cpu_machine_is_the_cpu(use_nvml, monkeypatch):
-    calls = []
-    use_nvml(fake_nvml(calls))
+def test_the_default_device_on_a_cpu_machine_is_the_cpu(gpu, monkeypatch):
     monkeypatch.setenv("GPULAB_DEVICE", "cpu")
-    assert not snapshot().gpu and calls == []
+    assert not snapshot().gpu and gpu.calls == []
 
 
 def test_a_snapshot_is_cheap_on_a_cpu(monkeypatch):
@@ -130,8 +104,8 @@ def test_a_snapshot_is_cheap_on_a_cpu(monkeypatch):
 # ---------------------------------------------------------------- the GPU
 
 
-def test_a_gpu_running_free_has_no_caveat(use_nvml):
-    use_nvml(fake_nvml(reasons=IDLE | APP_CLOCKS))  # idle and application clocks are not throttling
+def test_a_gpu_running_free_has_no_caveat(gpu):
+    gpu.cards[0].reasons = IDLE | APP_CLOCKS  # idle and application clocks are not throttling
     state = snapshot("cuda:0")
     assert state.gpu and state.throttle == () and state.caveats() == []
     assert (state.sm_clock_mhz, state.sm_clock_max_mhz, state.gpu_temp_c) == (1980, 1980, 71)
@@ -141,8 +115,9 @@ def test_a_gpu_running_free_has_no_caveat(use_nvml):
                            "gpu_power_limit_w": 700, "throttle": "", "caveat": ""}
 
 
-def test_a_throttled_gpu_says_why(use_nvml, monkeypatch):
-    use_nvml(fake_nvml(reasons=IDLE | SW_POWER_CAP | HW_SLOWDOWN | HW_THERMAL))
+def test_a_throttled_gpu_says_why(gpu, monkeypatch):
+    card = gpu.cards[0]
+    card.reasons, card.power_w = IDLE | SW_POWER_CAP | HW_SLOWDOWN | HW_THERMAL, 695  # what the H200 drew, held at 700
     machine(monkeypatch, 5.0, 2)
     state = snapshot(0)
     assert state.throttle == ("SW power cap", "HW slowdown", "HW thermal slowdown")
@@ -159,77 +134,97 @@ def test_an_unknown_reason_bit_is_named_in_hex():
     assert nvml.decode_reasons(0x800 | SW_POWER_CAP | IDLE) == ("SW power cap", "reason 0x800")
 
 
-@pytest.mark.parametrize("old", ["driver", "nvidia-ml-py"])
-def test_an_older_driver_or_library_falls_back_to_the_throttle_reasons_query(use_nvml, old):
-    nv = use_nvml(fake_nvml(reasons=SW_POWER_CAP, unsupported=("nvmlDeviceGetCurrentClocksEventReasons",)))
+@pytest.mark.parametrize("old", ["driver", "nvidia-ml-py", "card"])
+def test_an_older_driver_or_library_falls_back_to_the_throttle_reasons_query(monkeypatch, old):
+    """An older driver lacks the function (NVML_ERROR_FUNCTION_NOT_FOUND), an older nvidia-ml-py its wrapper, a card
+    may answer NOT_SUPPORTED: each reads the reasons by their older name."""
+    query = "nvmlDeviceGetCurrentClocksEventReasons"
+    card = h200(reasons=SW_POWER_CAP, errors={query: pynvml.NVML_ERROR_NOT_SUPPORTED} if old == "card" else {})
     if old == "nvidia-ml-py":
-        del nv.nvmlDeviceGetCurrentClocksEventReasons
-    assert snapshot("cuda").throttle == ("SW power cap",)
+        monkeypatch.delattr(pynvml, query)
+    with fake_libnvml.installed(card, missing=(query,) if old == "driver" else ()) as library:
+        assert snapshot("cuda").throttle == ("SW power cap",)
+    assert "nvmlDeviceGetCurrentClocksThrottleReasons" in library.calls
 
 
-def test_every_unsupported_query_reads_as_unknown(use_nvml):
+def test_every_unsupported_query_reads_as_unknown(gpu):
     queries = ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetTemperature",
                "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetViolationStatus",
                "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-    use_nvml(fake_nvml(reasons=SW_POWER_CAP, unsupported=queries))
+    card = gpu.cards[0]
+    card.reasons, card.errors = SW_POWER_CAP, dict.fromkeys(queries, pynvml.NVML_ERROR_NOT_SUPPORTED)
     state = snapshot("cuda:0")
     assert state.gpu and state.throttle == () and state.throttle_ns == () and state.caveats() == []
     assert all(math.isnan(v) for v in (state.sm_clock_mhz, state.sm_clock_max_mhz, state.gpu_temp_c,
                                        state.gpu_power_w, state.gpu_power_limit_w))
 
 
-def test_a_library_missing_the_functions_reads_as_unknown(use_nvml):
-    nv = use_nvml(fake_nvml(reasons=SW_POWER_CAP))
-    for name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetCurrentClocksEventReasons",
-                 "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetViolationStatus"):
-        delattr(nv, name)
-    state = snapshot("cuda:0")
+@pytest.mark.parametrize("old", ["driver", "nvidia-ml-py"])
+def test_a_library_missing_the_functions_reads_as_unknown(monkeypatch, old):
+    names = ("nvmlDeviceGetClockInfo", "nvmlDeviceGetCurrentClocksEventReasons",
+             "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetViolationStatus")
+    if old == "nvidia-ml-py":
+        for name in names:
+            monkeypatch.delattr(pynvml, name)
+    with fake_libnvml.installed(h200(reasons=SW_POWER_CAP), missing=names if old == "driver" else ()):
+        state = snapshot("cuda:0")
     assert math.isnan(state.sm_clock_mhz) and state.throttle == () and state.gpu_temp_c == 71
 
 
-@pytest.mark.parametrize("module", [None, "no driver"], ids=["no pynvml", "no driver"])
-def test_without_nvml_a_gpu_snapshot_is_unknown_and_nvml_is_tried_once(use_nvml, monkeypatch, module):
-    calls = []
-    if module is not None:
-        module = fake_nvml(calls)
+@pytest.fixture
+def without_pynvml(monkeypatch):
+    """``import pynvml`` fails, as where nvidia-ml-py is not installed; no NVML session left from elsewhere."""
+    nvml.close_shared()
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    yield
+    nvml.close_shared()
 
-        def fail():
-            calls.append("init")
-            raise module.NVMLError("NVML Shared Library Not Found")
 
-        module.nvmlInit = fail
-    use_nvml(module)
+def a_gpu_snapshot_without_nvml(monkeypatch) -> None:
     machine(monkeypatch, 9.0, 2)
     first, second = snapshot("cuda:0"), snapshot("cuda:0")
     assert first == second and first.gpu and math.isnan(first.sm_clock_mhz) and first.throttle == ()
     assert first.caveats() == ["the CPU was oversubscribed (load average 9.0 on 2 cores)"]  # the CPU's still counts
-    assert calls == ([] if module is None else ["init"])
     with pytest.raises(nvml.NvmlUnavailable):
         nvml.shared(0)
 
 
-def test_nvml_is_started_once_and_shut_down_once(use_nvml):
-    calls = []
-    use_nvml(fake_nvml(calls))
+def test_without_pynvml_a_gpu_snapshot_is_unknown(without_pynvml, monkeypatch):
+    a_gpu_snapshot_without_nvml(monkeypatch)
+
+
+def test_without_a_driver_a_gpu_snapshot_is_unknown_and_nvml_is_tried_once(monkeypatch):
+    with fake_libnvml.absent() as tries:
+        a_gpu_snapshot_without_nvml(monkeypatch)
+    assert tries == ["libnvidia-ml.so.1"]
+
+
+def test_with_the_driver_not_loaded_nvml_is_tried_once(monkeypatch):
+    with fake_libnvml.installed(h200(), init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED) as library:
+        a_gpu_snapshot_without_nvml(monkeypatch)
+    assert library.calls == ["nvmlInitWithFlags"]
+
+
+def test_nvml_is_started_once_and_shut_down_once(gpu):
     for _ in range(3):
         snapshot("cuda:0")
-    assert calls == ["init"]
+    assert nvml_starts(gpu) == ["nvmlInitWithFlags"]
     nvml.close_shared()
     nvml.close_shared()
-    assert calls == ["init", "shutdown"]
+    assert nvml_starts(gpu) == ["nvmlInitWithFlags", "nvmlShutdown"] and gpu.inits == 0
 
 
 # ---------------------------------------------------------------- over a span
 
 
-def watched(nv, during, monkeypatch, samples: int = 3) -> Conditions:
-    """A Watch (sampling every millisecond) over a span in which ``during(nv)`` changes the fake GPU; its readings
+def watched(card, during, monkeypatch, samples: int = 3) -> Conditions:
+    """A Watch (sampling every millisecond) over a span in which ``during(card)`` changes the fake GPU; its readings
     wait until ``during`` has run (a busy machine may delay this thread past the first reading), and the span lasts
     until the watch has taken ``samples`` of them (polled: no fixed sleep for a busy machine to cross)."""
     changed, read = threading.Event(), conditions._read
     monkeypatch.setattr(conditions, "_read", lambda *args: changed.wait() and read(*args))
     watch = Watch("cuda:0", interval=0.001).start()
-    during(nv)
+    during(card)
     changed.set()
     deadline = time.monotonic() + 60
     while len(watch._readings) < samples and time.monotonic() < deadline:
@@ -237,46 +232,51 @@ def watched(nv, during, monkeypatch, samples: int = 3) -> Conditions:
     return watch.stop()
 
 
-def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(use_nvml, monkeypatch):
+def test_a_span_does_not_inherit_the_power_cap_of_the_work_before_it(gpu, monkeypatch):
     """Lesson 09's first run carried "SW power cap" from the ceiling search before it: at the span's start the GPU
     was still at its limit. The reading at the start belongs to what ran before, and is left out."""
-    nv = use_nvml(fake_nvml(reasons=SW_POWER_CAP))
+    card = gpu.cards[0]
+    card.reasons = SW_POWER_CAP
 
-    def quiet(nv):
-        nv.state.reasons = IDLE
+    def quiet(card):
+        card.reasons = IDLE
 
-    state = watched(nv, quiet, monkeypatch)
+    state = watched(card, quiet, monkeypatch)
     assert state.throttle == () and state.caveats() == [] and state.advice() == ""
 
 
-def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(use_nvml, monkeypatch):
-    nv = use_nvml(fake_nvml(reasons=IDLE))
+def test_a_span_keeps_every_reason_and_the_clock_range_it_saw(gpu, monkeypatch):
+    card = gpu.cards[0]
 
-    def capped(nv):
-        nv.state.reasons, nv.state.clock = SW_POWER_CAP, 1515
+    def capped(card):
+        card.reasons, card.sm_clock_mhz = SW_POWER_CAP, 1515
 
-    state = watched(nv, capped, monkeypatch)
+    state = watched(card, capped, monkeypatch)
     assert state.throttle == ("SW power cap",) and (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1515, 1515)
     assert state.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1515 MHz of 1980), "
                                "as long, dense work does"]
     assert state.advice() == ""  # a matmul at the power limit is normal: no "rerun on a quiet machine"
 
-    def varying(nv):
-        nv.state.clock = 1755
+    def varying(card):
+        card.sm_clock_mhz = 1755
 
-    nv.state.reasons, nv.state.clock = IDLE, 1980
-    state = watched(nv, varying, monkeypatch)
+    card.reasons, card.sm_clock_mhz = IDLE, 1980
+    state = watched(card, varying, monkeypatch)
     assert (state.sm_clock_low_mhz, state.sm_clock_high_mhz) == (1755, 1755) and state.sm_clock_mhz == 1755
 
 
-def test_a_span_shows_throttling_that_no_reading_caught(use_nvml, monkeypatch):
-    nv = use_nvml(fake_nvml(reasons=IDLE))
+def test_a_span_shows_throttling_that_no_reading_caught(gpu, monkeypatch):
+    card = gpu.cards[0]
 
-    def briefly_capped(nv):
-        nv.state.violation_ns = {0: 9_000_000, 1: 0}  # clocks held down by the power limit between readings
+    def briefly_capped(card):  # clocks held down by the power limit between readings
+        card.violation_ns = {pynvml.NVML_PERF_POLICY_POWER: 9_000_000}
 
-    assert watched(nv, briefly_capped, monkeypatch).throttle == ("SW power cap",)
-    assert watched(nv, lambda nv: None, monkeypatch).throttle == ()  # counters that did not move say nothing
+    def briefly_hot(card):  # NVML's thermal counter, asked for by its own policy
+        card.violation_ns = {pynvml.NVML_PERF_POLICY_POWER: 9_000_000, pynvml.NVML_PERF_POLICY_THERMAL: 4_000}
+
+    assert watched(card, briefly_capped, monkeypatch).throttle == ("SW power cap",)
+    assert watched(card, briefly_hot, monkeypatch).throttle == ("thermal slowdown",)
+    assert watched(card, lambda card: None, monkeypatch).throttle == ()  # counters that did not move say nothing
 
 
 def test_a_span_on_the_cpu_starts_no_thread_and_has_no_gpu_columns(monkeypatch):
@@ -298,6 +298,58 @@ def test_a_power_cap_flag_at_low_power_and_full_clocks_is_not_called_running_at_
     assert gemm.at_power_limit and gemm.caveats()[0].startswith("the GPU ran at its power limit")
 
 
+def recorded(row) -> Conditions:
+    """The conditions a results row recorded, as the measurement saw them."""
+    return Conditions(row.load_avg, row.cpu_cores, True, row.sm_clock_mhz, row.sm_clock_low_mhz, row.sm_clock_high_mhz,
+                      row.sm_clock_max_mhz, row.gpu_temp_c, row.gpu_power_w, row.gpu_power_limit_w,
+                      tuple(row.throttle.split(", ")) if isinstance(row.throttle, str) else ())
+
+
+def test_a_power_flag_one_clock_step_under_the_top_is_not_running_at_the_limit():
+    """Lesson 09's attention on the H200 at 8192 tokens: flagged at 379-640 W of 700 with the SM clock at 1965-1980 of
+    1980 MHz. Four rows were captioned "ran at its power limit" for one 15 MHz dip: boost jitter, not a slowdown."""
+    rows = pd.read_csv(ATTENTION)
+    flagged = rows[rows["throttle"].notna()]
+    assert len(flagged) == 5 and not any(recorded(row).at_power_limit for row in flagged.itertuples())
+    caveats = {row.label: recorded(row).caveats() for row in flagged.itertuples()}
+    assert caveats["SDPA, flash forced"] == ["NVML reported SW power cap at 437 W of 700 W, with the SM clock within 5% "
+                                             "of its maximum (1965–1980 MHz of 1980)"]
+    assert caveats["SDPA (PyTorch's choice)"] == ["NVML reported SW power cap at 379 W of 700 W, with the SM clock at "
+                                                  "its maximum"]
+
+
+def test_a_clock_held_down_by_the_power_limit_is_running_at_the_limit_at_any_power_reading():
+    """The ceilings' matmuls on the same H200: bf16 held at 1515 MHz while NVML read 557 W; fp32 and tf32 at 695-699 W."""
+    ceilings = pd.read_csv(RUN / "09_ceilings.csv")
+    assert all(recorded(row).at_power_limit for row in ceilings.itertuples())
+    (bf16,) = [recorded(row) for row in ceilings.itertuples() if row.precision == "bf16"]
+    assert bf16.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1515 MHz of 1980), as long, "
+                              "dense work does"]
+
+
+def test_every_flagged_monitor_sample_of_the_h200_is_judged_by_its_clock_and_power(gpu):
+    """The monitor's flagged samples of that run, replayed through the fake card: held down (1380-1875 MHz, or 1575 MHz
+    at 554 W) or at the limit (1920-1965 MHz at 694-697 W) is the power limit; one step under the top at 569 W and the
+    top at 200-415 W are not."""
+    samples = pd.read_csv(RUN / "monitor.csv").dropna(subset=["throttle"])
+    card = gpu.cards[0]
+    verdicts = {}
+    for sample in samples.itertuples():
+        card.sm_clock_mhz, card.power_w, card.reasons = int(sample.sm_clock_mhz), sample.power_w, SW_POWER_CAP
+        verdicts[(sample.sm_clock_mhz, round(sample.power_w))] = snapshot("cuda:0").at_power_limit
+    assert sorted(key for key, at_limit in verdicts.items() if not at_limit) == [(1965, 569), (1980, 200), (1980, 415)]
+    assert len(verdicts) == len(samples) == 21
+
+
+def test_a_power_flag_with_the_clock_unknown_says_only_what_was_read():
+    unknown_clock = Conditions(gpu=True, gpu_power_w=250, gpu_power_limit_w=700, throttle=("SW power cap",))
+    assert unknown_clock.caveats() == ["NVML reported SW power cap at 250 W of 700 W"]
+    unknown_power = Conditions(gpu=True, sm_clock_low_mhz=1980, sm_clock_high_mhz=1980, sm_clock_max_mhz=1980,
+                               throttle=("SW power cap",))
+    assert unknown_power.caveats() == ["NVML reported SW power cap, with the SM clock at its maximum"]
+    assert Conditions(gpu=True, throttle=("SW power cap",)).at_power_limit  # nothing read: the flag is all there is
+
+
 def test_a_hot_gpu_is_told_to_cool_down_not_to_find_a_quieter_machine():
     hot = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, throttle=("HW thermal slowdown",))
     assert hot.advice() == "check the GPU's cooling before trusting it" and not hot.busy
@@ -306,8 +358,9 @@ def test_a_hot_gpu_is_told_to_cool_down_not_to_find_a_quieter_machine():
 # ---------------------------------------------------------------- the monitor
 
 
-def test_monitor_samples_the_clock_throttling_and_load(use_nvml):
-    use_nvml(fake_nvml(reasons=SW_POWER_CAP | IDLE))
+def test_monitor_samples_the_clock_throttling_and_load(gpu):
+    card = gpu.cards[0]
+    card.reasons, card.power_w = SW_POWER_CAP | IDLE, 695
     with Monitor(interval=0.005, device="cpu") as monitor:
         monitor.mark("run")
         time.sleep(0.03)
@@ -315,16 +368,15 @@ def test_monitor_samples_the_clock_throttling_and_load(use_nvml):
     assert list(frame.columns) == list(COLUMNS) and len(frame) >= 1
     assert (frame["sm_clock_mhz"] == 1980).all() and (frame["throttle"] == "SW power cap").all()
     assert (frame["load_avg"] == 0.5).all()
-    # 650 W of 700: at the limit (the card's limit and top clock are read when sampling starts)
+    # 695 W of 700: at the limit (the card's limit and top clock are read when sampling starts)
     assert monitor.caveats() == ["the GPU ran at its power limit (SW power cap; SM clock 1980 MHz of 1980), as long, "
                                  "dense work does"]
 
 
-def test_the_monitor_tells_a_power_cap_flag_at_low_power_from_running_at_the_limit(use_nvml):
+def test_the_monitor_tells_a_power_cap_flag_at_low_power_from_running_at_the_limit(gpu):
     """The H200 raised "SW power cap" at 250 W of 700 with its clock at the top: not a power-limited run."""
-    nv = fake_nvml(reasons=SW_POWER_CAP)
-    nv.nvmlDeviceGetPowerUsage = lambda h: 250_000
-    use_nvml(nv)
+    card = gpu.cards[0]
+    card.reasons, card.power_w = SW_POWER_CAP, 250
     with Monitor(interval=0.005, device="cpu") as monitor:
         pass  # it samples at least once
     assert monitor.caveats() == ["NVML reported SW power cap at 250 W of 700 W, with the SM clock at its maximum"]
@@ -349,8 +401,7 @@ def test_monitor_caveats_by_phase(monkeypatch):
     assert len(monitor.caveats()) == 3
 
 
-def test_monitor_without_nvml_keeps_its_columns_and_has_no_caveats(use_nvml, capsys):
-    use_nvml(None)
+def test_monitor_without_nvml_keeps_its_columns_and_has_no_caveats(without_pynvml, capsys):
     with Monitor(interval=0.01) as monitor:
         monitor.mark("phase")
     assert capsys.readouterr().out.count("gpulab.monitor:") == 1

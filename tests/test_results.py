@@ -8,7 +8,9 @@ from gpulab import Comparison, ResultLog, bench, reference
 from gpulab.conditions import Conditions
 from gpulab.results import CONDITION_COLUMNS, ResultsFileError, add_reference, caveat_note, caveats, reference_provenance
 
-from .test_monitor_and_conditions import HW_THERMAL, SW_POWER_CAP, fake_nvml, machine
+from . import fake_libnvml
+from .fake_libnvml import HW_THERMAL, SW_POWER_CAP
+from .test_monitor_and_conditions import machine
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +163,6 @@ def test_a_name_with_dots_and_dashes_is_fine(results_dir):
 def test_a_writer_killed_mid_row_leaves_a_torn_row_that_is_set_aside(results_dir, capsys):
     import signal
     import subprocess
-    import sys
 
     log = ResultLog("torn")
     log.add(size=1, note="x")
@@ -227,18 +228,13 @@ def test_a_row_records_the_gpu_state_of_its_measurement_not_of_the_moment_it_is_
                                                                                         tmp_path):
     """All 18 rows of lesson 08's path on the H200 carried one snapshot, taken as each row was written: a row without
     the state of its measurement records the CPU's load and no GPU state at all."""
-    from gpulab import nvml
-
     _gpu_environment(monkeypatch, tmp_path)
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(reasons=SW_POWER_CAP | HW_THERMAL))
-    nvml.close_shared()
-    try:
+    with fake_libnvml.installed(fake_libnvml.h200(reasons=SW_POWER_CAP | HW_THERMAL)) as library:
         row = ResultLog("gpu", device="cuda:0").add(size=1)
         measured = Conditions(load_avg=0.5, cpu_cores=4, gpu=True, sm_clock_mhz=1700, sm_clock_low_mhz=1515,
                               sm_clock_high_mhz=1980, sm_clock_max_mhz=1980, throttle=("SW power cap",))
         watched = ResultLog("gpu", device="cuda:0").add(conditions=measured, size=2)
-    finally:
-        nvml.close_shared()
+    assert library.calls == []  # the row's own measurement's state, not NVML's at the moment it was written
     assert "throttle" not in row and "sm_clock_mhz" not in row and row["caveat"] == ""
     assert set(CONDITION_COLUMNS) <= set(watched) and watched["throttle"] == "SW power cap"
     assert (watched["sm_clock_low_mhz"], watched["sm_clock_high_mhz"]) == (1515, 1980)

@@ -15,12 +15,13 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import monitor, nvml, results
+from gpulab import monitor, results
 from gpulab.commands import record, verify, verify_jobs, verify_out
 from gpulab.commands import verify_plan as planning
 from gpulab.commands.verify_jobs import Outcome
 from gpulab.commands.verify_plan import H100, estimate
 
+from . import fake_libnvml
 from .conftest import ROOT
 
 WARNINGS_FIXTURE = ROOT / "tests" / "data" / "verify" / "h200_quick_warnings.ipynb"  # real outputs, H200 quick run
@@ -396,14 +397,18 @@ def test_the_bundle_leaves_out_what_would_take_it_past_its_limit(tmp_path):
     assert tail.startswith(b"[the first ") and tail.endswith(b"the error at the end\n") and len(tail) < 65 * 1024
 
 
-def test_the_monitor_log_takes_gpulabs_monitor_and_says_why_it_has_no_samples(tmp_path, monkeypatch):
-    def no_nvml():
-        raise nvml.NvmlUnavailable("NVML could not start: no NVIDIA driver on this machine?")
-
-    monkeypatch.setattr(nvml, "session", no_nvml)
-    log = verify_out.MonitorLog(tmp_path / "monitor.csv", verify._monitor()).start()
-    assert log.stop() == "no GPU samples: NVML could not start: no NVIDIA driver on this machine?"
+def test_the_monitor_log_takes_gpulabs_monitor_and_says_why_it_has_no_samples(tmp_path):
+    with fake_libnvml.absent():  # no libnvidia-ml.so.1: no NVIDIA driver on this machine
+        log = verify_out.MonitorLog(tmp_path / "monitor.csv", verify._monitor()).start()
+        assert log.stop() == "no GPU samples: NVML could not start (NVML Shared Library Not Found)"
     assert (tmp_path / "monitor.csv").read_text() == "utc," + ",".join(monitor.COLUMNS) + "\n"
+
+
+def test_the_free_memory_is_nvmls_for_gpu_0_in_gib():
+    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=23 * 2**30)):  # 143771 MiB in all
+        assert verify._free_gib() == (143771 * 2**20 - 23 * 2**30) / 2**30
+    with fake_libnvml.absent():
+        assert verify._free_gib() is None
 
 
 def test_the_warnings_a_learner_sees_are_read_from_the_executed_notebook():
