@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .device import device_info, get_device
+from .device import device_info, get_device, on_gpu
 from .mode import by_mode
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -67,10 +67,10 @@ def matmul_peak(dtype: torch.dtype, device=None, sizes=None, warmup_s: float | N
     the same with a host clock, and smaller sizes.
     """
     device = get_device(device)
-    cuda = device.type == "cuda"
-    sizes = sizes or by_mode(full=[4096, 8192, 16384] if cuda else [512, 1024, 2048], quick=[128, 256])
-    warmup_s = by_mode(full=1.0 if cuda else 0.2, quick=0.01) if warmup_s is None else warmup_s
-    min_time = by_mode(full=1.0 if cuda else 0.5, quick=0.02) if min_time is None else min_time
+    gpu = on_gpu(device)
+    sizes = sizes or by_mode(full=[4096, 8192, 16384] if gpu else [512, 1024, 2048], quick=[128, 256])
+    warmup_s = by_mode(full=1.0 if gpu else 0.2, quick=0.01) if warmup_s is None else warmup_s
+    min_time = by_mode(full=1.0 if gpu else 0.5, quick=0.02) if min_time is None else min_time
     by_size, counts, best, first = {}, {}, 0.0, None
     for n in sizes:
         flops = matmul_flops(n, n, n)
@@ -100,26 +100,33 @@ def calls_to_fill(seconds: float, each: float, least: int, most: int) -> int:
 
 
 def timed_calls(product, count: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``count`` calls of ``product``, back to back (between CUDA events on a GPU).
+    """Seconds of each of ``count`` calls of ``product``, back to back: between CUDA events on a GPU, between readings
+    of the host's clock on a CPU.
 
     The events go on the stream of ``device``, where the products run: recorded on the current device's stream
     instead (``event.record()``), they would time nothing but their own order whenever ``device`` is another GPU.
+    On a GPU the products are queued without a wait between them, and the last event is waited for at the end.
     """
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
-        events[0].record(stream)
-        for event in events[1:]:
-            product()
+    gpu = on_gpu(device)
+    stream = torch.cuda.current_stream(device) if gpu else None
+    marks = []
+
+    def mark():
+        if gpu:  # the GPU reads its clock when it reaches the event, after the products queued before it
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
-        events[-1].synchronize()
-        return [start.elapsed_time(end) / 1e3 for start, end in zip(events, events[1:])]
-    times = []
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+
+    mark()
     for _ in range(count):
-        start = time.perf_counter()
         product()
-        times.append(time.perf_counter() - start)
-    return times
+        mark()
+    if gpu:
+        marks[-1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:])]
+    return [end - start for start, end in zip(marks, marks[1:])]
 
 
 def measured_peak(dtype: torch.dtype, device=None, n: int | None = None) -> tuple[float, int]:

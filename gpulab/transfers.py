@@ -7,12 +7,14 @@ records and tabulates.
 """
 
 import math
+import time
 from contextlib import contextmanager
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from .device import on_gpu
 from .timing import bench
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30  # sizes are binary multiples; rates are SI (1 GB/s = 1e9 bytes/s)
@@ -71,38 +73,48 @@ def summary(frame: pd.DataFrame, link_gbps: float | None = None) -> pd.DataFrame
 
 
 class Timeline:
-    """Spans of GPU work recorded with CUDA events, to draw which stream ran what, when.
+    """Spans of work, to draw which stream ran what, when.
 
-        tl = Timeline()
+        tl = Timeline(device)
         with torch.cuda.stream(copy_stream), tl.span("copy stream", "copy"):
             x = batch.to(device, non_blocking=True)
         tl.frame()   # lane, kind, start_ms, end_ms (after the GPU has finished)
 
-    A span's events are recorded on the stream that is current when it opens and closes; the
-    times are measured by the GPU, so they show what really ran concurrently.
+    On a GPU a span's ends are CUDA events, recorded on the stream that is current when it opens and closes: the GPU
+    times them, so they show what really ran concurrently. On a CPU they are readings of the host's clock (a CPU runs
+    each operation as it is called).
     """
 
-    def __init__(self):
-        self._spans: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, device=None):
+        self.on_gpu = on_gpu(device)
+        self._spans: list[tuple[str, str, object, object]] = []
 
     @contextmanager
     def span(self, lane: str, kind: str):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = self._now()
         yield
-        end.record()
-        self._spans.append((lane, kind, start, end))
+        self._spans.append((lane, kind, start, self._now()))
+
+    def _now(self):
+        """An event on the current stream (the GPU reads its clock when it gets there), or the host's clock."""
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def frame(self) -> pd.DataFrame:
-        """One row per span, times in ms from the earliest start (waits for the GPU to finish)."""
+        """One row per span, times in ms from the earliest start (on a GPU, after it has finished them)."""
         columns = ["lane", "kind", "start_ms", "end_ms"]
         if not self._spans:
             return pd.DataFrame(columns=columns)
-        for *_, end in self._spans:  # wait for each span's own GPU (a bare synchronize() waits for the current one)
-            end.synchronize()
         origin = self._spans[0][2]
-        rows = [(lane, kind, origin.elapsed_time(s), origin.elapsed_time(e)) for lane, kind, s, e in self._spans]
-        frame = pd.DataFrame(rows, columns=columns)
-        first = frame["start_ms"].min()
-        frame[["start_ms", "end_ms"]] -= first
+        if self.on_gpu:
+            for *_, end in self._spans:  # wait for each span's own GPU (a bare synchronize() waits for the current one)
+                end.synchronize()
+            since = origin.elapsed_time
+        else:
+            since = lambda clock: (clock - origin) * 1e3  # noqa: E731
+        frame = pd.DataFrame([(lane, kind, since(s), since(e)) for lane, kind, s, e in self._spans], columns=columns)
+        frame[["start_ms", "end_ms"]] -= frame["start_ms"].min()
         return frame

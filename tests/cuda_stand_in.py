@@ -13,10 +13,13 @@ While installed:
 - ``torch.cuda`` answers the calls the course makes as that card would: ``Event`` on the host clock, ``Stream``,
   ``stream``, ``current_stream`` and ``default_stream`` (a CPU runs each operation as it is called: there is no queue),
   ``synchronize``, the card's ``get_device_properties``/``get_device_name``/``get_device_capability``,
-  ``is_bf16_supported``, ``device_count`` 1, the allocator's statistics and ``mem_get_info`` from the tracker (with
-  ``set_per_process_memory_fraction`` as its budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``,
-  ``_sleep`` (a spin kernel: nothing to hold on a CPU);
-- ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so; ``record_stream`` takes a stream;
+  ``is_bf16_supported``, ``device_count`` 1 (with a CUDA context: ``torch._C._cuda_hasPrimaryContext``), the
+  allocator's statistics and ``mem_get_info`` from the tracker (with ``set_per_process_memory_fraction`` as its
+  budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``, ``_sleep`` (a spin kernel: nothing to hold on a
+  CPU);
+- ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so (so do ``torch.empty``, ``zeros`` and
+  ``ones`` with ``pin_memory=True``); ``record_stream`` takes a stream; a ``DataLoader`` with ``pin_memory=True``
+  warns and pins nothing (it asks ``torch.accelerator``, which the stand-in leaves as the machine has it);
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
   replay a graph, and a test must not pretend it did.
 
@@ -25,6 +28,7 @@ While installed:
     install("NVIDIA H200")                  # in a notebook kernel: until the process ends
 """
 
+import functools
 import threading
 import time
 import weakref
@@ -209,6 +213,25 @@ def _segments(nbytes: int) -> int:
     return -(-nbytes // SEGMENT) * SEGMENT
 
 
+def _has_context(index: int) -> bool:
+    """``torch._C._cuda_hasPrimaryContext``: the one device played has one; another index is refused, as by torch."""
+    if not 0 <= index < 1:
+        raise RuntimeError(f"hasPrimaryContext expects a valid device index, but got device_index={index}")
+    return True
+
+
+def _pinning(factory, gpu: StandIn):
+    """``torch.<factory>(..., pin_memory=True)`` as a GPU's torch makes it: the tensor, in pinned host memory (here
+    a copy that ``is_pinned``); without ``pin_memory`` the factory itself (torch/_torch_docs.py: the factories'
+    ``pin_memory`` argument)."""
+
+    @functools.wraps(factory)
+    def make(*args, pin_memory: bool = False, **kwargs):
+        tensor = factory(*args, **kwargs)
+        return gpu.pin_memory(tensor) if pin_memory else tensor
+    return make
+
+
 def _gpu_only(what: str):
     def refuse(*args, **kwargs):
         raise GpuOnly(f"{what} needs a real GPU: the CUDA stand-in runs the code around it, never this call")
@@ -249,11 +272,15 @@ def installed(card: str = "NVIDIA H200"):
     with ExitStack() as stack:
         for name, value in _patches(gpu).items():
             stack.enter_context(mock.patch.object(torch.cuda, name, value, create=True))
+        # which devices have a CUDA context (gpulab.timing.used_gpus): the one the stand-in plays
+        stack.enter_context(mock.patch.object(torch._C, "_cuda_hasPrimaryContext", _has_context, create=True))
         for name, value in {"_record_memory_history": _gpu_only("the allocator's history"),
                             "_snapshot": _gpu_only("the allocator's snapshot"),
                             "_dump_snapshot": _gpu_only("the allocator's snapshot")}.items():
             stack.enter_context(mock.patch.object(torch.cuda.memory, name, value))
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", lambda t, device=None: gpu.pin_memory(t)))
+        for factory in ("empty", "zeros", "ones"):
+            stack.enter_context(mock.patch.object(torch, factory, _pinning(getattr(torch, factory), gpu)))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: gpu.is_pinned(t)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda tensor, stream: _check_stream(stream)))
         stack.enter_context(mock.patch.object(gpulab.device, "STAND_IN", card))

@@ -158,7 +158,7 @@ def test_timeline_waits_for_its_own_events_not_the_current_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronised the current GPU"))
-    timeline = Timeline()
+    timeline = Timeline(torch.device("cuda", 1))  # a GPU's timeline: CUDA events, faked here
     for lane in ("copy stream", "compute stream"):
         with timeline.span(lane, "work"):
             pass

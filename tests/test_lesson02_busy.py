@@ -205,10 +205,12 @@ def test_the_start_up_skipped_is_what_a_loader_can_prepare_ahead_never_more_than
 def test_on_a_cpu_the_sweep_says_the_busy_share_needs_a_gpu(lesson_env, monkeypatch, capsys):
     scope = sweep(monkeypatch)
     rows = scope["log"].frame()
-    assert rows["kernel_busy"].isna().all() and "sm_clock_mhz" not in rows  # nothing profiled, no GPU state
+    assert (rows["busy_steps"] == scope["busy_steps"]).all()  # each configuration's steps profiled on the CPU
+    assert rows["kernel_busy"].isna().all() and "sm_clock_mhz" not in rows  # no kernels in a CPU trace, no GPU state
     printed = capsys.readouterr().out
-    assert ("GPU busy per configuration: not measured here (no GPU here: the busy share is a GPU's). How busy a "
-            "loader keeps a GPU needs a GPU") in printed
+    assert (f"GPU busy per configuration: each configuration's {scope['busy_steps']} steps were profiled on this CPU, "
+            "but the trace has no GPU kernels (recorded on a CPU)") in printed
+    assert "How busy a loader keeps a GPU needs a GPU" in printed
 
 
 def test_a_single_run_above_the_data_on_device_rate_is_called_noise_not_a_result(monkeypatch, capsys):

@@ -22,7 +22,7 @@ from .test_notebooks_00_04_gpu_path import function_source
 
 H200_ROWS = Path(__file__).parent / "data" / "lesson04" / "h200_quick_04_matmul_precision.csv"
 ALL = ["fp32", "tf32", "fp16", "bf16"]
-GPU = types.SimpleNamespace(type="cuda")  # what the cells read of a CUDA device
+GPU = torch.device("cuda")  # a CUDA device: gpulab.on_gpu says yes to it, and nothing here runs on it
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_the_roofline_draws_each_cards_own_dense_datasheet_peaks(quiet_plots):
 def matmul_table_cell(name: str, rows: pd.DataFrame, capsys) -> tuple[dict, str]:
     """Lesson 04's roofline-and-table cell, run as on a CUDA device called ``name`` with ``rows`` measured."""
     sweep = rows[rows["kind"] == "matmul"].astype({"n": int})
-    scope = {"pd": pd, "plots": plots, "datasheets": datasheets, "precision": precision, "device": GPU,
+    scope = {"pd": pd, "plots": plots, "datasheets": datasheets, "precision": precision, "device": GPU, "gpulab": gpulab,
              "info": types.SimpleNamespace(name=name), "matmuls": rows, "sweep": sweep, "sizes": sorted(set(sweep["n"])),
              "precisions": ALL, "over_fp32": {p: Comparison.of([2.0] * 5, [1.0] * 5, labels=("fp32", p)) for p in ALL[1:]}}
     capsys.readouterr()
@@ -89,7 +89,8 @@ def test_a_measured_peak_above_the_datasheet_says_the_entry_is_not_this_cards(qu
 
 def test_the_precision_table_lists_every_datasheet_card_with_its_source(capsys):
     shown = []
-    scope = {"pd": pd, "torch": torch, "datasheets": datasheets, "precision": precision, "device": torch.device("cpu"),
+    scope = {"pd": pd, "torch": torch, "gpulab": gpulab, "datasheets": datasheets, "precision": precision,
+             "device": torch.device("cpu"),
              "info": types.SimpleNamespace(name="cpu"), "display": lambda styler: shown.append(styler.data)}
     exec(compile(code("04", "torch.cuda.is_bf16_supported()"), "<lesson 04: which precision>", "exec"), scope)
     table, sheets = shown[0], datasheets.table()
