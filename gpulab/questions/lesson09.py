@@ -15,13 +15,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .. import datasheets, flops, text
+from ..busy import activities
 from ..check import Question, Wrong
-from ..device import device_info, get_device, sync
+from ..device import device_info, get_device, on_gpu, sync
 
 # ----- q1: FLOPs per token of a GPT --------------------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ def _mfu_hint(got: float, case, card: str) -> str:
 def _device_peaks() -> dict:
     """The dense datasheet peaks of this machine's GPU ({} for a CPU or a card gpulab.datasheets does not list)."""
     device = get_device()
-    sheet = datasheets.find(device_info(device).name) if device.type == "cuda" else None
+    sheet = datasheets.find(device_info(device).name) if on_gpu(device) else None
     return dict(sheet.tflops) if sheet else {}
 
 
@@ -368,16 +369,14 @@ def profile_names(backend: str | None, device=None, dtype=None) -> list[str] | N
     on ``device``, under ``backend`` forced with ``sdpa_kernel`` (None: PyTorch's choice); None where that backend
     cannot run here."""
     device = get_device(device)
-    cuda = device.type == "cuda"
     if dtype is None:  # flash and cuDNN attention need 16-bit inputs; bf16 where the GPU has it natively
-        dtype = torch.float32 if not cuda else (
+        dtype = torch.float32 if not on_gpu(device) else (
             torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16)
     q, k, v = (torch.randn(2, 4, 128, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Flash attention kernel not used because ...": the reason, as a warning
-            with sdpa_kernel(BACKENDS[backend]) if backend else _nothing(), profile(activities=activities) as prof:
+            with sdpa_kernel(BACKENDS[backend]) if backend else _nothing(), profile(activities=activities(device)) as prof:
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
                 sync(device)
     except RuntimeError:

@@ -1,0 +1,192 @@
+"""Lesson 09's training steps accumulate gradients into stable ``.grad`` buffers, zeroed in place, in every
+configuration of the waterfall: the recipe torch gives for gradient accumulation with CUDA graphs. The 2026-11-28
+H200 run crashed at the "CUDA graphs" step (``torch.compile(mode="reduce-overhead")``, 8 micro-batches a step):
+"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run".
+
+What a CPU can show runs here: the buffers are the same tensors at every micro-batch and step, zeroed in place at
+each step's start; the gradients and the training are bit for bit those of ``zero_grad(set_to_none=True)``; and with
+reduce-overhead's output reuse played on the CPU (``ReplayedGraphs``: the mechanism, never a CUDA graph), every
+micro-batch and accumulation count the path can reach trains as the eager step does. Capturing and replaying the
+graphs, and torch's freeing of a generation's outputs, need a GPU (the GPU-only list in the report and
+``tests/test_gpu_only_surface.py``)."""
+
+import itertools
+
+import pytest
+import torch
+
+from gpulab import text
+
+from . import test_lesson09_gpu_path as gpu_path
+from .test_lesson09_gpu_path import define
+
+lesson, waterfall = gpu_path.lesson, gpu_path.waterfall  # the lesson's fixtures, by name in the tests below
+
+STEPS_RUN = 3  # optimizer steps per run: the first made the buffers, the next two reuse them
+
+
+class _StaticGradient(torch.autograd.Function):
+    """A parameter as a compiled graph sees it: its gradient comes back in ``buffer``, which every backward writes
+    again (a replayed graph's output lives at the same address each replay)."""
+
+    @staticmethod
+    def forward(ctx, parameter, buffer):
+        ctx.buffer = buffer
+        return parameter.view_as(parameter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buffer.copy_(grad)
+        return ctx.buffer, None
+
+
+class ReplayedGraphs:
+    """``torch.compile(mode="reduce-overhead")``'s output reuse, played on the CPU. The backward's gradients come back
+    in one static buffer per parameter, marked as CUDA graph trees mark their outputs (``torch._C._add_cached_tensor``
+    in torch/_inductor/cudagraph_trees.py, ``CUDAGraphNode._initialize_cached_tensors``), so that autograd's
+    AccumulateGrad may keep one as ``.grad`` when ``.grad`` is None (accumulate_grad.h, Case 1.1, which counts the
+    cache's reference out). ``torch.compiler.cudagraph_mark_step_begin()`` starts a new generation, whose replay takes
+    that memory back (``dealloc_current_path_weakrefs`` frees it; here it is filled with NaN, then overwritten by the
+    next backward). Nothing is captured: this proves how the lesson's loop uses the outputs, never the graphs."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []  # every compiled model's, for mark_step_begin
+
+    def compile(self, model, mode=None, **options):
+        if mode != "reduce-overhead":
+            return model
+        buffers = {name: self._buffer(p) for name, p in model.named_parameters()}
+
+        def forward(*args):
+            params = {name: _StaticGradient.apply(p, buffers[name]) for name, p in model.named_parameters()}
+            return torch.func.functional_call(model, params, args)
+        return forward
+
+    def _buffer(self, parameter):
+        buffer = torch.empty_like(parameter)
+        torch._C._add_cached_tensor(buffer)
+        self.buffers.append(buffer)
+        return buffer
+
+    def mark_step_begin(self):
+        for buffer in self.buffers:
+            buffer.fill_(float("nan"))  # the previous generation's outputs are gone
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    graphs = ReplayedGraphs()
+    monkeypatch.setattr(torch, "compile", graphs.compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", graphs.mark_step_begin)
+    torch._C._set_cached_tensors_enabled(True)
+    yield graphs
+    for buffer in graphs.buffers:
+        torch._C._remove_cached_tensor(buffer)
+    torch._C._set_cached_tensors_enabled(False)
+
+
+def trained(waterfall, options, steps=STEPS_RUN):
+    """``run_steps(options)`` for ``steps`` steps: (model, losses); the model's ``.grad`` holds the last step's."""
+    run_steps, losses = waterfall["run_steps"](options), []
+    for _ in range(steps):
+        model, loss = next(run_steps)
+        losses.append(loss)
+    return model, torch.stack(losses)
+
+
+def set_to_none_reference(waterfall, options, steps=STEPS_RUN):
+    """The same training written with ``zero_grad(set_to_none=True)`` (the lesson before the fix, eager)."""
+    o = {**waterfall["STEP_BASE"], **options}
+    model = waterfall["GPT"](waterfall["GPTConfig"](**waterfall["SIZE"]), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=waterfall["LR"])
+    data, losses = torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(o["accum"]):
+            x, y = text.batch(waterfall["train_tokens"], o["micro"], waterfall["cfg"].seq_len, data, "cpu")
+            loss = model(x, y) / o["accum"]
+            loss.backward()
+            step_loss = step_loss + loss.detach()
+        optimizer.step()
+        losses.append(step_loss)
+    return model, torch.stack(losses)
+
+
+def test_every_micro_batch_and_step_accumulates_into_the_same_grad_tensors_zeroed_in_place(waterfall, monkeypatch):
+    """At each micro-batch the parameters' ``.grad`` are the tensors made before training: zero at the first
+    micro-batch of each step, holding the sum so far at the others. Before the fix they were None at each step's start
+    (set_to_none), so a CUDA graph's output became ``.grad``."""
+    made, seen = [], []
+
+    class Recorded(waterfall["GPT"]):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    real_batch = text.batch
+
+    def batch(*args, **kwargs):
+        grads = [p.grad for p in made[-1].parameters()]
+        seen.append(([id(g) for g in grads], all(g is not None and not g.any() for g in grads)))
+        return real_batch(*args, **kwargs)
+
+    waterfall["GPT"] = Recorded
+    monkeypatch.setattr(text, "batch", batch)
+    accum = waterfall["STEP_BASE"]["accum"]
+    model, _ = trained(waterfall, {})
+    assert accum > 1 and len(seen) == STEPS_RUN * accum
+    buffers = [id(p.grad) for p in model.parameters()]
+    assert all(ids == buffers for ids, _ in seen), "a .grad tensor was replaced between micro-batches or steps"
+    assert [zero for _, zero in seen] == [i % accum == 0 for i in range(len(seen))]
+
+
+def test_the_gradients_and_the_training_are_bit_for_bit_those_of_set_to_none(waterfall):
+    """Zero plus a gradient is that gradient: the loss gap between two configurations is unchanged by the recipe."""
+    model, losses = trained(waterfall, {})
+    reference, reference_losses = set_to_none_reference(waterfall, {})
+    assert torch.equal(losses, reference_losses)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None, "the last step's gradients were not kept in .grad"
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def reachable_batches(waterfall) -> set:
+    """Every (micro-batch, accumulation steps) the CUDA graphs step can be raced with, in full and in quick mode: the
+    lesson's STEPS and STEP_BASE in that mode, walked over every subset of the steps before it that a run can keep."""
+    found = set()
+    for quick in (False, True):
+        scope = {name: waterfall[name] for name in ("cfg", "on_gpu", "info", "amp_dtype")}
+        scope.update(by_mode=lambda full, quick, mode=quick: quick if mode else full,
+                     quick_mode=lambda mode=quick: mode, per_token=1.0)
+        define(scope, "def run_steps", "STEP_BASE")
+        define(scope, "cpu_quick = ", "cpu_quick", "larger", "STEPS")
+        steps = [options for _, options, _ in scope["STEPS"]]
+        graphs = next(i for i, (_, options, _) in enumerate(scope["STEPS"]) if options.get("compile") == "reduce-overhead")
+        for kept in itertools.chain.from_iterable(itertools.combinations(steps[:graphs], k) for k in range(graphs + 1)):
+            o = {**scope["STEP_BASE"]}
+            for options in kept:
+                o |= options
+            found.add((o["micro"], o["accum"]))
+    return found
+
+
+def test_with_cuda_graphs_output_reuse_every_batch_the_path_can_reach_trains_as_the_eager_step(waterfall, replayed):
+    """The waterfall walked over every subset of kept steps before "CUDA graphs": its micro-batch and accumulation
+    are STEP_BASE's or the larger micro-batch's, in full mode (4 × 8, 16 × 2: the H200's crash) and in quick mode
+    (1 × 4; 4 × 1, which hid the crash on 2026-11-27). Each, with every earlier switch on, trains with reduce-overhead's
+    output reuse exactly as the eager step; before the fix only 4 × 1 did."""
+    batches = reachable_batches(waterfall)
+    assert batches == {(4, 8), (16, 2), (1, 4), (4, 1)}
+    every_switch = {"amp": True, "attention": "sdpa", "padded_vocab": 320, "fused": True}
+    differs = []
+    for micro, accum in batches:
+        options = {**every_switch, "micro": micro, "accum": accum}
+        eager_model, eager = trained(waterfall, options, steps=2)
+        graphs_model, graphs = trained(waterfall, {**options, "compile": "reduce-overhead"}, steps=2)
+        same = torch.equal(eager, graphs) and all(
+            torch.equal(p, q) for p, q in zip(eager_model.parameters(), graphs_model.parameters(), strict=True))
+        if not same:
+            differs.append(f"{micro} × {accum}: losses {eager.tolist()} eager, {graphs.tolist()} with the graphs' reuse")
+    assert replayed.buffers, "the compiled forward never ran"
+    assert not differs, differs
