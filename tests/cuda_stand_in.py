@@ -15,8 +15,8 @@ While installed:
   ``synchronize``, the card's ``get_device_properties``/``get_device_name``/``get_device_capability``,
   ``is_bf16_supported``, ``device_count`` 1 (with a CUDA context: ``torch._C._cuda_hasPrimaryContext``), the
   allocator's statistics and ``mem_get_info`` from the tracker (with ``set_per_process_memory_fraction`` as its
-  budget: beyond it, an OutOfMemoryError), ``set_sync_debug_mode``, ``_sleep`` (a spin kernel: nothing to hold on a
-  CPU);
+  budget: beyond it, an OutOfMemoryError), ``memory_summary`` (of those statistics), ``set_sync_debug_mode``,
+  ``_sleep`` (a spin kernel: nothing to hold on a CPU);
 - ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so (so do ``torch.empty``, ``zeros`` and
   ``ones`` with ``pin_memory=True``); ``record_stream`` takes a stream; a ``DataLoader`` with ``pin_memory=True``
   warns and pins nothing (it asks ``torch.accelerator``, which the stand-in leaves as the machine has it);
@@ -170,8 +170,13 @@ class StandIn:
 
     def reserved_now(self, device=None) -> int:
         self.reserved = max(self.reserved, _segments(self.tracker.current))
-        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        # the most reserved at once: at least the segments of the most allocated at once since the last reset
+        self.reserved_peak = max(self.reserved_peak, self.reserved, _segments(self.tracker.peak))
         return self.reserved
+
+    def reserved_most(self, device=None) -> int:
+        self.reserved_now()
+        return self.reserved_peak
 
     def reset_peak(self, device=None) -> None:
         self.tracker.reset_peak()
@@ -186,6 +191,15 @@ class StandIn:
                 "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": self.reserved_peak,
                 "active_bytes.all.current": self.tracker.current, "num_alloc_retries": 0, "num_ooms": 0,
                 "num_device_alloc": 0, "num_device_free": 0}
+
+    def summary(self, device=None, abbreviated: bool = False) -> str:
+        """``torch.cuda.memory_summary``'s table (torch/cuda/memory.py), of the counters the stand-in keeps."""
+        stats, rows = self.stats(), []
+        for key, name in (("allocated_bytes", "Allocated memory"), ("reserved_bytes", "GPU reserved memory")):
+            current, peak = (stats[f"{key}.all.{when}"] // 1024 for when in ("current", "peak"))
+            rows.append(f"| {name:<21} | {current:6d} KiB | {peak:6d} KiB |")
+        title = f"| PyTorch CUDA memory summary, device ID 0 (the CUDA stand-in: {self.card.name}) |"
+        return "\n".join(["=" * 75, title, *rows, "=" * 75]) + "\n"
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         return self.card.total_memory - self.reserved_now(), self.card.total_memory
@@ -250,9 +264,10 @@ def _patches(gpu: StandIn) -> dict:
         "get_device_capability": lambda device=None: (card.major, card.minor),
         "is_bf16_supported": lambda including_emulation=True: (card.major, card.minor) >= (8, 0),
         "memory_allocated": gpu.allocated, "max_memory_allocated": lambda device=None: gpu.tracker.peak,
-        "memory_reserved": gpu.reserved_now, "max_memory_reserved": lambda device=None: gpu.reserved_peak,
+        "memory_reserved": gpu.reserved_now, "max_memory_reserved": gpu.reserved_most,
         "reset_peak_memory_stats": gpu.reset_peak, "empty_cache": gpu.empty_cache, "memory_stats": gpu.stats,
         "mem_get_info": gpu.mem_get_info, "set_per_process_memory_fraction": gpu.set_memory_fraction,
+        "memory_summary": gpu.summary,
         "memory_snapshot": lambda: [], "get_allocator_backend": lambda: "native",
         "set_sync_debug_mode": lambda mode: setattr(gpu, "sync_debug_mode", mode),
         "get_sync_debug_mode": lambda: gpu.sync_debug_mode,
@@ -263,6 +278,11 @@ def _patches(gpu: StandIn) -> dict:
         "graph": _gpu_only("torch.cuda.graph (capture)"),
         "make_graphed_callables": _gpu_only("torch.cuda.make_graphed_callables"),
     }
+
+
+def answered() -> set[str]:
+    """The names in ``torch.cuda`` the stand-in answers (or refuses with GpuOnly)."""
+    return set(_patches(StandIn(CARDS["NVIDIA H200"])))
 
 
 @contextmanager

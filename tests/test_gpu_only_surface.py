@@ -1,0 +1,146 @@
+"""What no CPU can run: the course's GPU-only surface, one entry per behaviour, with what it relies on in torch or NVML
+and where that is defined. Everything around these calls runs in the CPU's tests (on the CPU, and on the CPU playing a
+GPU: tests/cuda_stand_in.py, tests/fake_libnvml.py); these entries are what the next GPU run (`make verify-gpu`, the
+README's "GPU verification in one command") must confirm.
+
+The tests below keep the list in step with the code: every entry's calls are still made somewhere in the package or
+the lessons (no stale entry), and every ``torch.cuda`` call the package and the lessons make is answered by the
+stand-in, works without a GPU, or is named here (no unlisted GPU-only call).
+"""
+
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from .conftest import ROOT
+from .cuda_stand_in import answered
+
+
+@dataclass(frozen=True)
+class GpuOnly:
+    """One behaviour only a GPU shows."""
+
+    behaviour: str
+    calls: tuple[str, ...]  # how the code makes it: text found in the package, lessons or solutions
+    relies_on: str  # what torch, CUDA or NVML does there, and where that is defined
+    confirm: str  # what the next GPU run must see, and where
+
+
+SURFACE = (
+    GpuOnly("CUDA graph capture and replay of a whole training step",
+            ("torch.cuda.CUDAGraph", "torch.cuda.graph("),
+            "torch/cuda/graphs.py (CUDAGraph, graph): capture on a side stream after a warm-up there, static input "
+            "and output buffers, the optimizer's lr in a tensor; torch's notes/cuda.rst, 'Whole-network capture'",
+            "lesson 08 full mode: the 'whole step in a CUDA graph' step runs, trains the same losses as eager and is "
+            "faster"),
+    GpuOnly("torch.compile(mode='reduce-overhead'): CUDA graph trees, their output reuse and gradient accumulation",
+            ("reduce-overhead", "torch.compiler.cudagraph_mark_step_begin"),
+            "torch/_inductor/cudagraph_trees.py: a new generation frees the last one's outputs (format_dealloc_msg; "
+            "in 2.14 its gradient-output message advises stable, preallocated .grad buffers); AccumulateGrad adds "
+            "into an existing .grad in place (torch/csrc/autograd/functions/accumulate_grad.h)",
+            "lesson 09 full mode: the 'CUDA graphs' step with accumulation over several micro-batches runs, and its "
+            "loss gap stays within the race's tolerance"),
+    GpuOnly("Triton kernels: torch.compile's GPU code and triton.testing.do_bench",
+            ("torch.compile(", "do_bench"),
+            "torch/_inductor (Triton code generation for CUDA tensors; a CPU gets C++ instead); "
+            "triton/testing.py do_bench (its own L2 flush and CUDA events)",
+            "lessons 06 and 09 full mode compile and run; `gpulab bench` agrees with do_bench"),
+    GpuOnly("A CUDA C kernel built at run time, and CUDA_LAUNCH_BLOCKING in a fresh process",
+            ("CUDA_LAUNCH_BLOCKING",),
+            "torch/utils/cpp_extension.py (load_inline with nvcc); CUDA_LAUNCH_BLOCKING is read when the CUDA "
+            "context is made (c10/cuda/CUDAFunctions.cpp)",
+            "lesson 01 full mode: the vector-add kernel builds and runs; launches block under CUDA_LAUNCH_BLOCKING=1"),
+    GpuOnly("Kernel timing between CUDA events, and what a synchronisation waits for",
+            ("torch.cuda.Event(", "torch.cuda.synchronize"),
+            "cudaEventRecord/cudaEventElapsedTime through torch/cuda/streams.py (Event): GPU-side timestamps about "
+            "0.5 µs apart; the stand-in's events read the host clock",
+            "lesson 01: launch overhead, warm and cold copies, the sync-in-a-loop demo"),
+    GpuOnly("Copies that overlap compute: pinned host memory, non_blocking copies, side streams",
+            ("non_blocking=True", "torch.cuda.Stream(", "pin_memory"),
+            "cudaMemcpyAsync from page-locked memory on a stream (torch/csrc/utils/tensor_new.cpp, "
+            "aten/src/ATen/native/cuda/Copy.cu); torch's notes/cuda.rst 'CUDA streams' and 'Use pinned memory "
+            "buffers'; the stand-in runs every operation at once and pins by copying",
+            "lesson 02 full mode: pinned beats pageable, the copy hides behind compute on a side stream"),
+    GpuOnly("The sync debug mode's warnings",
+            ("torch.cuda.set_sync_debug_mode",),
+            "c10/cuda/CUDAFunctions.h warn_or_error_on_sync: raised by CUDA operations that synchronise; a CPU "
+            "operation never does",
+            "lessons 01 and 06: the synchronising calls are named"),
+    GpuOnly("GPU kernels in a profiler trace (CUPTI), and the busy share read from them",
+            ("ProfilerActivity.CUDA",),
+            "torch/profiler/profiler.py (profile, schedule: one cycle with repeat=1) and Kineto's CUPTI activity; "
+            "HolisticTraceAnalysis reads the exported trace",
+            "busy.measure in lessons 02, 08 and 09, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
+    GpuOnly("The caching allocator's real numbers: reserved memory, fragmentation, workspaces, the CUDA context",
+            ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
+            "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "
+            "context and other processes; cuBLAS and cuDNN workspaces",
+            "lesson 05 full mode: the OOM demo inside its cap, the remedies' peaks; lesson 03's workspace finding"),
+    GpuOnly("The allocator's history and snapshots",
+            ("torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.cuda.memory._snapshot"),
+            "torch/cuda/memory.py (_record_memory_history, _snapshot, _dump_snapshot): the C++ allocator records "
+            "each block with its stack",
+            "lesson 05 full mode: the snapshot's timeline is drawn offline"),
+    GpuOnly("NVML's real values: utilisation over its sample period, clocks, power, throttle reasons, GPM SM activity",
+            ("nvmlDeviceGetUtilizationRates", "nvmlGpmMetricsGet", "nvmlDeviceGetCurrentClocksEventReasons"),
+            "nvml.h (nvmlDeviceGetUtilizationRates: a sample period between 1 s and 1/6 s; GPM metrics, Hopper and "
+            "newer); tests/fake_libnvml.py proves the calls through nvidia-ml-py's real wrappers, never the values",
+            "the verification's monitor.csv; lesson 00's NVML cell and `gpulab doctor`; the caveats beside each "
+            "result"),
+    GpuOnly("Which SDPA backend runs, and its memory",
+            ("sdpa_kernel",),
+            "torch/nn/attention/__init__.py (sdpa_kernel, SDPBackend); the backends' constraints in "
+            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
+            "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence"),
+    GpuOnly("TF32 and FP8 numerics on tensor cores",
+            ("set_float32_matmul_precision", "_scaled_mm"),
+            "torch/backends/cuda/__init__.py (matmul precision: cuBLAS TF32); torch._scaled_mm (FP8, compute "
+            "capability 8.9 and newer)",
+            "lessons 04 and 09: the TF32 step's loss gap within tolerance; FP8 close to bf16"),
+    GpuOnly("cuDNN's algorithm search",
+            ("cudnn.benchmark",),
+            "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",
+            "lessons 03 and 06: the first step is slower, later ones faster"),
+    GpuOnly("NCCL collectives across two GPUs or more",
+            ('"nccl"',),
+            "torch/distributed (the NCCL backend; gloo processes run the same scripts on the CPU here)",
+            "lesson 07 on a machine with two GPUs or more (none lent so far: never run)"),
+)
+
+# torch.cuda names that answer without a GPU, as the code uses them (no stand-in needed)
+WITHOUT_A_GPU = {"is_available", "OutOfMemoryError", "amp", "nvtx.range", "profiler.start"}
+
+
+def code_text() -> str:
+    """The package's source, and the code cells of the lessons and solutions."""
+    import nbformat
+
+    parts = [p.read_text() for p in (ROOT / "gpulab").rglob("*.py")]
+    for folder in ("notebooks", "solutions"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            parts += [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def code() -> str:
+    return code_text()
+
+
+@pytest.mark.parametrize("entry", SURFACE, ids=lambda e: e.behaviour[:40])
+def test_every_entry_names_calls_the_code_still_makes(entry, code):
+    missing = [call for call in entry.calls if call not in code]
+    assert not missing, f"{entry.behaviour}: no code makes {missing} any more: update or remove the entry"
+
+
+def test_every_torch_cuda_call_is_answered_by_the_stand_in_or_listed_as_gpu_only(code):
+    listed = {call.removeprefix("torch.cuda.").rstrip("(") for entry in SURFACE for call in entry.calls}
+    used = set(re.findall(r"torch\.cuda\.([A-Za-z_][\w.]*[A-Za-z_])", code))
+    unlisted = sorted(name for name in used
+                      if name.split(".")[0] not in answered() and name not in WITHOUT_A_GPU | listed)
+    assert not unlisted, f"torch.cuda calls neither answered by tests/cuda_stand_in.py nor listed here: {unlisted}"
+
+
+def test_the_readme_points_to_this_list():
+    assert "tests/test_gpu_only_surface.py" in (ROOT / "README.md").read_text()
