@@ -25,7 +25,7 @@ def status(question, *answers) -> str:
 
 # ---------------------------------------------------------------- q1: time GPU work correctly
 
-time_ms = shown_solution(q1, "time_ms", torch=torch, time=time)
+time_ms = shown_solution(q1, "time_ms", torch=torch, time=time, gpulab=gpulab)
 
 
 def time_ms_without_sync(fn, device):

@@ -3,10 +3,18 @@
 let through there is checked on a CPU."""
 
 import ast
+import contextlib
+import io
+import math
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import matplotlib.pyplot as plt
 import nbformat
@@ -16,11 +24,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import gpulab
-from gpulab.questions.lesson01 import _cache_note
+from gpulab.check import CORRECT, WRONG
+from gpulab.questions.lesson01 import _cache_note, q1
 from gpulab.questions.observe import simulated_gpu
 from gpulab.questions.stand_in import virtual_clock
 
-from .conftest import ROOT
+from .conftest import ROOT, shown_solution
 
 NOTEBOOK = ROOT / "notebooks" / "01_cuda_basics.ipynb"
 SOLUTIONS = ROOT / "solutions" / "01_cuda_basics.ipynb"
@@ -425,3 +434,127 @@ def test_with_an_empty_queue_no_call_is_said_to_wait_or_not(on_the_stand_in, cap
     run(scope, "def blocked_ms(call")
     out = capsys.readouterr().out
     assert "Nothing was left in the queue" in out and scope["waits"] == {}
+
+
+# ----- the whole lesson on the CUDA stand-in: every GPU branch's Python, at a CPU's sizes ---------------------------------
+
+FACTORIES = {"randn", "rand", "empty", "zeros", "ones"}
+
+
+class Shrunk(TorchFunctionMode):
+    """GPU-sized tensors at a CPU's size: a factory call (``torch.randn(n, n)``, ``torch.empty(nbytes)``, ...) for more
+    than ``limit`` elements, every side at least ``side`` long (a model's small layers are left alone), makes a
+    smaller tensor: every side shrunk by one factor, to ``limit × (asked / limit)^⅛`` elements, so that larger sizes
+    asked stay larger. The lesson's code reads the sizes it got (``nbytes``), as it does on a GPU; ``asked`` keeps
+    the sizes asked for, so that a test can still check them. (Triton's interpreter takes about 8 ms per block of 1024
+    elements here: the vector add's 2²⁶ elements become 14 blocks.)"""
+
+    def __init__(self, limit: int = 2**12, side: int = 512):
+        super().__init__()
+        self.limit, self.side, self.asked = limit, side, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in FACTORIES and args:
+            sides = tuple(args[0]) if isinstance(args[0], (tuple, list, torch.Size)) else args
+            if all(isinstance(s, int) for s in sides):
+                self.asked.append(sides)
+                args = self.shrunk(sides)
+        return func(*args, **kwargs)
+
+    def shrunk(self, sides: tuple) -> tuple:
+        elements = math.prod(sides)
+        if elements <= self.limit or min(sides) < self.side:
+            return sides
+        factor = (self.limit * (elements / self.limit) ** 0.125 / elements) ** (1 / len(sides))
+        return tuple(max(1, round(s * factor)) for s in sides)
+
+
+def child_here(args, capture_output=True, text=True, check=True, env=None, **kwargs):
+    """``subprocess.run([python, "-c", program, *argv])`` run in this process, on the stand-in: the program's Python
+    runs as it would in the child; what CUDA_LAUNCH_BLOCKING changes in a real CUDA context is for a GPU to show."""
+    executable, flag, program, *argv = args
+    assert executable == sys.executable and flag == "-c" and capture_output and text
+    out = io.StringIO()
+    with mock.patch.object(sys, "argv", ["-c", *argv]), contextlib.redirect_stdout(out):
+        exec(compile(program, "<child>", "exec"), {"__name__": "__main__"})
+    return subprocess.CompletedProcess(args, 0, out.getvalue(), "")
+
+
+@pytest.fixture
+def a_cuda_c_build(monkeypatch):
+    """nvcc and ninja are found, and ``load_inline`` returns the module it would build (``vector_add`` as x + y): the
+    build itself (nvcc, the kernel) is GPU-only."""
+    from torch.utils import cpp_extension
+
+    nvcc = "/usr/local/cuda/bin/nvcc"
+    which, exists = shutil.which, os.path.exists
+    built = []
+
+    def load_inline(name, cpp_sources, cuda_sources, functions, extra_cuda_cflags=()):
+        built.append(name)
+        assert "__global__ void add_kernel" in cuda_sources and functions == ["vector_add"]
+        return SimpleNamespace(vector_add=lambda x, y: x + y)
+
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: nvcc if cmd == "nvcc" else which(cmd, *a, **k))
+    monkeypatch.setattr(os.path, "exists", lambda path: path == nvcc or exists(path))
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    return built
+
+
+def test_the_whole_lesson_runs_its_gpu_branches_on_the_stand_in(on_the_stand_in, a_cuda_c_build, monkeypatch,
+                                                                capsys, results_dir):
+    """Every code cell, in order, on the CPU playing an H200 in quick mode (the audit of 2026-11-28 listed cells 5, 10,
+    11, 14, 15, 19, 24, 36, 39 and 41 as run by no test): its sizes for a GPU asked, made at a CPU's size; the CUDA
+    C build and the CUDA_LAUNCH_BLOCKING children run their Python here, their GPU work is the GPU's to show."""
+    scope = on_the_stand_in
+    monkeypatch.setattr(subprocess, "run", child_here)
+    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+    with Shrunk() as shrunk:
+        for index, source in enumerate(cells[1:], start=1):  # after the setup cell (gpulab is installed here)
+            if "comparing = dict(" in source:  # the setup's knobs: the fewest pairs, a short time (a loaded CI machine)
+                exec(compile(source, "<lesson 01: setup>", "exec"), scope)
+                scope.update(min_time=0.01, comparing=dict(min_time=0.01, pairs=5))
+                continue
+            exec(compile(source, f"<lesson 01, code cell {index}>", "exec"), scope)
+    out = capsys.readouterr().out
+    assert scope["on_gpu"] and scope["l2_bytes"] == 60 * 2**20
+    assert "132 SMs × 2048 resident threads" in out and "No GPU here" not in out
+    assert 2 * scope["copy_mb"][-1] * 1e6 >= 8 * scope["l2_bytes"] and (2**28,) in shrunk.asked  # the flush asked
+    assert set(scope["copies"]["cache"]) == {"warm", "cold"}
+    assert "GPU, with copies there and back" in set(scope["tradeoff"]["way"])
+    assert scope["n"] >= 2**24 and (scope["n"],) in shrunk.asked  # the vector add's arrays, 4× the L2, asked
+    assert "Queueing a tiny kernel" in out and "CUDA_LAUNCH_BLOCKING=1" in out  # the children's times, parsed
+    assert a_cuda_c_build == ["gpulab_vector_add"] and "The CUDA C kernel matches PyTorch's x + y" in out
+    assert set(scope["vs_copy"]) == {"PyTorch x + y", "Triton", "CUDA C"}
+    assert "vector add, bandwidth over the copy's" in out and "training step" in out
+
+
+# ----- exercise 1's check on the course's GPU (the stand-in): the learner's timer around work that runs long ----------
+
+def test_q1_times_the_learners_timer_on_the_course_gpu_too(cuda_stand_in):
+    """The third round of q1's check runs only where the course has a GPU: here the stand-in's (its matmuls shrunk)."""
+    time_ms = shown_solution(q1, "time_ms", torch=torch, time=time, gpulab=gpulab)
+    with Shrunk():
+        q1.check(time_ms)
+    assert q1.last.status == CORRECT and "ms of work on cpu" in q1.last.message, q1.last.message
+
+
+def test_q1_on_the_course_gpu_rejects_a_clock_read_before_the_work_ran(cuda_stand_in):
+    """A timer right on the CPU and on the simulated GPU, that reads 1 µs on the course's GPU (as one that stops the
+    clock when the work is queued does on a real one)."""
+    right = shown_solution(q1, "time_ms", torch=torch, time=time, gpulab=gpulab)
+    rounds = []
+
+    def early_on_the_third_round(fn, device):
+        rounds.append(device)
+        if len(rounds) < 3:
+            return right(fn, device)
+        fn()
+        return 1e-3
+
+    with Shrunk():
+        q1.check(early_on_the_third_round)
+    assert [device.type for device in rounds] == ["cpu", "cuda", "cpu"]  # the CPU, the simulated GPU, the stand-in
+    assert q1.last.status == WRONG and "on cpu your timer says 0.001 ms" in q1.last.message

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..check import Question, Wrong, expect_close
-from ..device import sync
+from ..device import get_device, on_gpu, sync
 from .observe import simulated_gpu
 from .stand_in import (
     GPU,
@@ -41,32 +41,32 @@ def _check_timer(time_ms) -> str:
             measured = _timed_by_learner(time_ms, lambda: [gpu.launch(0.004) for _ in range(8)], GPU)
             gpu.wait()
         said.append(_judge_timer(*measured, 32.0, "on a simulated GPU", gpu=True))
-    if torch.cuda.is_available():
-        said.append(_check_timer_on_the_gpu(time_ms))
+    if on_gpu():
+        said.append(_check_timer_on_the_gpu(time_ms, get_device()))
     return "your timer measured " + ", ".join(said) + "."
 
 
-def _check_timer_on_the_gpu(time_ms) -> str:
-    """On the real GPU: work that takes far longer to run than to queue. Only a clock read before the GPU finished
+def _check_timer_on_the_gpu(time_ms, device: torch.device) -> str:
+    """On the course's GPU: work that takes far longer to run than to queue. Only a clock read before the GPU finished
     is judged (it reads a small part of the time): a loaded machine only makes a right answer read more."""
-    a = torch.randn(4096, 4096, device=GPU)
+    a = torch.randn(4096, 4096, device=device)
     work = lambda: [a @ a for _ in range(16)]  # queued in microseconds, runs for milliseconds
     work()
-    sync(GPU)
-    got, _ = _timed_by_learner(time_ms, work, GPU)
-    sync(GPU)
-    truth_ms = min(_synced_ms(work) for _ in range(3))  # measured after the learner's code, never before
+    sync(device)
+    got, _ = _timed_by_learner(time_ms, work, device)
+    sync(device)
+    truth_ms = min(_synced_ms(work, device) for _ in range(3))  # measured after the learner's code, never before
     if got < 0.5 * truth_ms:
-        raise Wrong(f"on {GPU} your timer says {got:.3g} ms for work that takes about {truth_ms:.3g} ms: the clock "
+        raise Wrong(f"on {device} your timer says {got:.3g} ms for work that takes about {truth_ms:.3g} ms: the clock "
                     "stopped when the work was queued. Wait for the GPU (`end.synchronize()` after `end.record()`, or "
                     "`torch.cuda.synchronize()`) before reading the time")
-    return f"{got:.3g} ms for about {truth_ms:.3g} ms of work on {GPU}"
+    return f"{got:.3g} ms for about {truth_ms:.3g} ms of work on {device}"
 
 
-def _synced_ms(work) -> float:
+def _synced_ms(work, device: torch.device) -> float:
     start = time.perf_counter()
     work()
-    sync(GPU)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -319,14 +319,14 @@ def _check_bandwidth(x, copy_seconds, add_seconds, copy_gbs, fraction) -> str:
         if ratio_is(_number(fraction), expected, ratio, rel=0.01):
             raise Wrong(f"expected a fraction of {expected:.3g}, got {_number(fraction):.3g}: {why}")
     expect_close(fraction, expected, rel=0.02, what="the fraction of copy bandwidth")
-    return (f"the vector add moved data at {_number(fraction):.0%} of this device's measured copy bandwidth "
+    return (f"the vector add moved its bytes at {_number(fraction):.2f}× the speed of this device's measured copy "
             f"({_number(copy_gbs):.4g} GB/s)" + _cache_note(x.device, nbytes) + ".")
 
 
 def _cache_note(device: torch.device, nbytes: int) -> str:
     """On a GPU, a warning when an array is less than four times the L2 cache: the bytes then came partly from L2,
     so the fraction is not device memory's (an add whose arrays sit in L2 can pass a copy by more than memory allows)."""
-    if device.type != "cuda":
+    if not on_gpu(device):
         return ""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     if nbytes >= 4 * l2_bytes:
@@ -342,7 +342,7 @@ q1 = Question(
               "`time.perf_counter()` around the call is right (and is in seconds).",
     solution_text="""
 def time_ms(fn, device):
-    if device.type == "cuda":
+    if gpulab.on_gpu(device):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
