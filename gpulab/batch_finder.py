@@ -17,13 +17,14 @@ memory libraries take during a call (cuDNN's convolution workspaces) and so are 
 
 import gc
 import math
+import os
 import time
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
-from .device import get_device
+from .device import get_device, on_gpu
 from .memory import BudgetExceeded, MemoryTracker
 
 FITS, OUT_OF_MEMORY, OVER_BUDGET = "fits", "out of memory", "over budget"
@@ -179,7 +180,7 @@ class _Meter:
 
     def __init__(self, device: torch.device, budget: float | None, count: str):
         self.device, self.budget = device, budget
-        self.cuda = device.type == "cuda"
+        self.cuda = on_gpu(device)
         self.tracker = MemoryTracker(budget) if count == TENSORS else None
         self.start = self.allocated()
 
@@ -194,7 +195,9 @@ class _Meter:
         except Exception as err:
             if not is_out_of_memory(err):
                 raise
-            outcome = OVER_BUDGET if isinstance(err, BudgetExceeded) else OUT_OF_MEMORY
+            # over the search's own budget, or out of the device's memory (an emulated card's is a BudgetExceeded too)
+            mine = isinstance(err, BudgetExceeded) and self.tracker is not None and err.tracker is self.tracker
+            outcome = OVER_BUDGET if mine else OUT_OF_MEMORY
         # Here the error is gone, and with it the traceback that kept the failed step's tensors alive.
         peak = self._peak()
         self.clean_up(empty_cache=outcome != FITS)
@@ -238,10 +241,10 @@ def _check_bounds(start, max_batch, granularity, max_trials) -> None:
 def _check_count(count, device: torch.device) -> str:
     """What the search counts: ``count``, or by default the allocator on CUDA and the tensors elsewhere."""
     if count is None:
-        return ALLOCATOR if device.type == "cuda" else TENSORS
+        return ALLOCATOR if on_gpu(device) else TENSORS
     if count not in (ALLOCATOR, TENSORS):
         raise ValueError(f"count is {ALLOCATOR!r} or {TENSORS!r} (or None for the device's default), got {count!r}")
-    if count == ALLOCATOR and device.type != "cuda":
+    if count == ALLOCATOR and not on_gpu(device):
         raise ValueError(f"count={ALLOCATOR!r} needs a CUDA device: {device} has no caching allocator to count; "
                          f"count={TENSORS!r} counts the bytes of the step's tensors there")
     return count
@@ -252,13 +255,26 @@ def _check_budget(budget, device: torch.device) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
         raise ValueError(f"budget_bytes must be a positive number of bytes (or None for the whole card), got {budget!r}")
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        if budget > total:
-            raise ValueError(
-                f"budget_bytes ({_mib(budget)}) is more than this GPU has ({_mib(total)}); "
-                "leave it out (None) to search up to the whole card"
-            )
+    total = _memory_of(device)
+    if total is None or budget <= total:
+        return
+    if on_gpu(device):
+        raise ValueError(f"budget_bytes ({_mib(budget)}) is more than this GPU has ({_mib(total)}, "
+                         f"{torch.cuda.get_device_name(device)}); leave it out (None) to search up to the whole card")
+    raise ValueError(f"budget_bytes ({_mib(budget)}) is more than this machine has ({_mib(total)} of RAM): the search "
+                     "could run out of memory for real before the budget stopped it (on Linux the OOM killer may end "
+                     "the process); give a smaller budget")
+
+
+def _memory_of(device: torch.device) -> int | None:
+    """The bytes a budget on ``device`` must fit in: the GPU's memory (``total_memory`` of torch's device properties),
+    or this machine's RAM where the OS says (``sysconf``; None elsewhere)."""
+    if on_gpu(device):
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or the OS does not say
+        return None
 
 
 def _mib(nbytes: float) -> str:

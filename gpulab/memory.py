@@ -26,13 +26,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import nvml
-from .device import get_device
+from .device import get_device, on_gpu
 
 TIMELINE_COLUMNS = ["event", "phase", "action", "op", "bytes", "allocated"]
 
 
 class BudgetExceeded(torch.OutOfMemoryError):
-    """A step needed more memory than the budget allows: out of memory on an emulated, smaller card."""
+    """A step needed more memory than the budget allows: out of memory on an emulated, smaller card. ``tracker`` is
+    the MemoryTracker whose budget it was."""
+
+    tracker = None
 
 
 class TrackerError(RuntimeError):
@@ -49,11 +52,12 @@ class MemoryTracker(TorchDispatchMode):
     ``current`` is what is alive now, ``peak`` the most that was alive at once. Every operator that
     returns new memory (not a view, not an in-place result) is counted, on any device; a weak
     reference to its storage subtracts the bytes when the tensor is freed, even after the block.
-    With ``budget`` (bytes), the operator that takes ``current`` past it raises BudgetExceeded.
-    With ``record=True`` it also keeps every allocation and free, for ``timeline()``; ``mark("phase")``
-    names the part of the step that follows. Tensors made from Python or NumPy data (``torch.tensor``,
-    ``torch.from_numpy``) bypass the operators it sees and are not counted. A tracker entered again inside its
-    own block counts each tensor once.
+    With ``budget`` (bytes), the operator whose result would take ``current`` past it raises BudgetExceeded, and
+    its result is dropped uncounted, as the CUDA allocator refuses an allocation past its limit: ``current`` and
+    ``peak`` never pass the budget. With ``record=True`` it also keeps every allocation and free, for
+    ``timeline()``; ``mark("phase")`` names the part of the step that follows. Tensors made from Python or NumPy
+    data (``torch.tensor``, ``torch.from_numpy``) bypass the operators it sees and are not counted. A tracker
+    entered again inside its own block counts each tensor once.
     """
 
     def __init__(self, budget: float | None = None, *, record: bool = False):
@@ -100,29 +104,46 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        fresh = self._fresh_storages(func, out)
+        asked = self.current + sum(storage.nbytes() for storage in fresh)
+        if self.budget is not None and asked > self.budget:
+            # Refused, as the CUDA allocator refuses an allocation past its limit: nothing of it is counted, and no
+            # reference to it stays in the error's traceback, so it is freed at once.
+            del out, fresh
+            raise self._over_budget(asked)  # made elsewhere: an error held by this frame would keep it (a cycle)
+        for storage in fresh:
+            self._count(storage, func)
+        return out
+
+    def _over_budget(self, asked: int) -> BudgetExceeded:
+        error = BudgetExceeded(f"a step needed {mib(asked)} of tensors, more than the budget of {mib(self.budget)}")
+        error.tracker = self
+        return error
+
+    def _fresh_storages(self, func, out) -> list:
+        """The storages new to the tracker among what an operator returned: not views or in-place results, not empty,
+        and not already counted (some operators, such as ``_unsafe_view``, return their input's storage without
+        saying so in their schema)."""
         returns = func._schema.returns
         results = (out,) if len(returns) == 1 else (out or ())  # one result (maybe a list), several, or none
+        fresh = {}
         for schema, result in zip(returns, results):
             if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
                 for tensor in tree_leaves(result):
                     if isinstance(tensor, torch.Tensor):
-                        self._count(tensor.untyped_storage(), func)
-        if self.budget is not None and self.current > self.budget:
-            raise BudgetExceeded(
-                f"a step needed {mib(self.current)} of tensors, more than the budget of {mib(self.budget)}"
-            )
-        return out
+                        storage = tensor.untyped_storage()
+                        if storage.nbytes() and id(storage) not in self._live:
+                            fresh[id(storage)] = storage
+        return list(fresh.values())
 
     def _count(self, storage, func) -> None:
-        """Count a storage the first time an operator returns it (some, such as ``_unsafe_view``, return their
-        input's storage without saying so in their schema); uncount it when it is freed."""
+        """Count a storage an operator returned; uncount it when it is freed."""
         nbytes = storage.nbytes()
-        if nbytes and id(storage) not in self._live:
-            self._live.add(id(storage))
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-            self._log("alloc", func.overloadpacket.__name__, nbytes)
-            weakref.finalize(storage, self._free, id(storage), nbytes)
+        self._live.add(id(storage))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        self._log("alloc", func.overloadpacket.__name__, nbytes)
+        weakref.finalize(storage, self._free, id(storage), nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
         self._live.discard(key)
@@ -146,25 +167,34 @@ class WorkspaceMeter(TorchDispatchMode):
     ``with meter:`` each operator's scratch is the allocator's peak during its call above what was allocated both
     before and after it; ``table()`` keeps each operator's largest. The meter resets the allocator's peak statistics
     before every operator, so ``torch.cuda.max_memory_allocated`` says nothing about the block as a whole.
+
+    A CPU has no caching allocator: there the meter sees and counts the operators all the same, and their scratch
+    memory is missing (NaN), as ``note`` says.
     """
 
     def __init__(self, device=None):
         super().__init__()
         self.device = get_device(device)
-        if self.device.type != "cuda":
-            raise TrackerError(f"a WorkspaceMeter reads the CUDA caching allocator, and {self.device} has none: there, "
-                               "count the tensors with a MemoryTracker")
-        self._largest: dict[str, tuple[int, int]] = {}  # operator: (calls, the most scratch of one call)
+        self.reads_allocator = on_gpu(self.device)
+        self.note = "" if self.reads_allocator else (
+            f"{self.device} has no caching allocator: its operators were counted, their scratch memory is not "
+            "measured (NaN); a MemoryTracker counts the tensors there")
+        self._largest: dict[str, tuple[int, float]] = {}  # operator: (calls, the most scratch of one call)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.reads_allocator:
+            self._note(func.overloadpacket.__name__, math.nan)
+            return func(*args, **(kwargs or {}))
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)  # the peak from here on is this call's
         out = func(*args, **(kwargs or {}))
         after, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
-        name = func.overloadpacket.__name__
-        calls, largest = self._largest.get(name, (0, 0))
-        self._largest[name] = (calls + 1, max(largest, peak - max(before, after)))
+        self._note(func.overloadpacket.__name__, peak - max(before, after))
         return out
+
+    def _note(self, op: str, scratch: float) -> None:
+        calls, largest = self._largest.get(op, (0, scratch))
+        self._largest[op] = (calls + 1, max(largest, scratch))
 
     def table(self) -> pd.DataFrame:
         """One row per operator that ran: its calls and the most scratch memory one call took, largest first."""
@@ -195,7 +225,7 @@ def record_history(max_entries: int = 100_000, device=None, *, context: str | No
     False, so a lesson carries on. Stop with ``torch.cuda.memory._record_memory_history(enabled=None)``.
     """
     device = get_device(device)
-    if device.type != "cuda":
+    if not on_gpu(device):
         print("No CUDA device here: only the CUDA caching allocator records a memory history. Carrying on without one.")
         return False
     try:
@@ -222,9 +252,10 @@ def load_snapshot(path: str | Path) -> dict:
     return snapshot
 
 
-def snapshot_timeline(snapshot: dict, device: int = 0) -> pd.DataFrame:
-    """The allocator's history on ``device`` as a timeline: one row per trace entry, with the bytes allocated
-    and reserved after it (``MemoryTracker.timeline()``'s columns, plus ``reserved``).
+def snapshot_timeline(snapshot: dict, device: int | torch.device = 0) -> pd.DataFrame:
+    """The allocator's history on ``device`` (a CUDA device's index, or the device: one without an index is the
+    current one, as torch reads it) as a timeline: one row per trace entry, with the bytes allocated and reserved
+    after it (``MemoryTracker.timeline()``'s columns, plus ``reserved``).
 
     The trace keeps only the last ``max_entries`` events, so the totals start from the state before the first
     event kept: the state at the snapshot (its segments) minus every change the trace records. The trace counts
@@ -232,6 +263,8 @@ def snapshot_timeline(snapshot: dict, device: int = 0) -> pd.DataFrame:
     ``allocated_size`` adds up), so the state at the snapshot is counted the same way: see ``live_bytes``.
     """
     traces = _device_traces(snapshot)
+    if isinstance(device, torch.device) and on_gpu(device):
+        device = device.index if device.index is not None else torch.cuda.current_device()
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(traces):
         raise SnapshotError(f"device must be one of the snapshot's devices, 0 to {len(traces) - 1}; got {device!r}")
     entries = traces[device]
@@ -297,10 +330,10 @@ def outside_allocator(device=None) -> tuple[int, str] | None:
     counts other processes: the text says which.
     """
     device = get_device(device)
-    if device.type != "cuda":
+    if not on_gpu(device):
         return None
     reserved = torch.cuda.memory_reserved(device)
-    used = _nvml_process_bytes(device.index)
+    used = _nvml_process_bytes(device.index if device.index is not None else torch.cuda.current_device())
     if used is not None:
         return used - reserved, "NVML's memory of this process minus what PyTorch reserved"
     free, total = torch.cuda.mem_get_info(device)

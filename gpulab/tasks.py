@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .device import get_device
+from .device import get_device, on_gpu
 from .memory import MemoryTracker
 
 
@@ -87,7 +87,7 @@ def training_peak_memory(start_run, step, *, steps: int = 2, device=None) -> int
     On a GPU it is the caching allocator's count; elsewhere a ``MemoryTracker`` counts the bytes of the tensors.
     """
     device = get_device(device)
-    allocator = _CudaAllocator(device) if device.type == "cuda" else _TrackedAllocator()
+    allocator = _CudaAllocator(device) if on_gpu(device) else _TrackedAllocator()
     with allocator:
         step(start_run())  # throw-away: one-time allocations happen here
         allocator.clean()

@@ -76,11 +76,11 @@ def gpu(monkeypatch):
         yield allocator
 
 
-def trial(batch_size):
+def trial(batch_size, device=META):
     """The lesson's trial: a whole SmallCNN training step built from scratch, here on the meta device."""
-    model = models.SmallCNN(width=16).to(META)
+    model = models.SmallCNN(width=16).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(batch_size, 3, 32, 32, device=META), torch.randint(0, 10, (batch_size,), device=META)
+    x, y = torch.randn(batch_size, 3, 32, 32, device=device), torch.randint(0, 10, (batch_size,), device=device)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
 
@@ -131,9 +131,22 @@ def test_the_workspace_meter_before_a_step_says_what_to_do(gpu):
         WorkspaceMeter().table()
 
 
-def test_the_workspace_meter_needs_a_cuda_device():
-    with pytest.raises(TrackerError, match="count the tensors with a MemoryTracker"):
-        WorkspaceMeter("cpu")
+def test_the_workspace_meter_on_a_cpu_counts_the_operators_and_says_their_scratch_is_not_measured():
+    with WorkspaceMeter("cpu") as meter:
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    table = meter.table()
+    assert table.set_index("op").calls.to_dict() == {"ones": 2, "mm": 1}
+    assert table.scratch_bytes.isna().all() and "no caching allocator" in meter.note
+
+
+def test_the_workspace_meter_reads_the_allocator_of_the_cuda_stand_in(cuda_stand_in):
+    """The GPU path on the CPU playing an H200: the allocator's statistics around each operator, read from the stand-in
+    (a CPU's operators take no scratch beyond their outputs: 0 bytes each)."""
+    with WorkspaceMeter() as meter:
+        trial(8, device=torch.device("cpu"))
+    table = meter.table()
+    assert meter.note == "" and (table.scratch_bytes == 0).all() and table.scratch_bytes.dtype.kind == "i"
+    assert {"convolution", "convolution_backward"} <= set(table.op)
 
 
 # ----- the lesson's cells, on the simulated GPU -----------------------------------------------------------------

@@ -2,12 +2,14 @@
 memory plots of lesson 05."""
 
 import contextlib
+import gc
 import io
 import math
 import pickle
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import matplotlib
 
@@ -23,7 +25,7 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gpulab  # noqa: E402
-from gpulab import memory, models, plots  # noqa: E402
+from gpulab import memory, models, plots, tasks  # noqa: E402
 from gpulab.device import DeviceError  # noqa: E402
 from gpulab.memory import MemoryTracker, SnapshotError, TrackerError  # noqa: E402
 
@@ -77,6 +79,39 @@ def test_tracker_budget_is_an_out_of_memory_error():
     assert issubclass(memory.BudgetExceeded, torch.OutOfMemoryError)
     with pytest.raises(torch.OutOfMemoryError, match="budget of 0.0 MiB"), MemoryTracker(budget=100):
         torch.ones(200, dtype=torch.uint8)
+
+
+def test_a_budget_refuses_the_allocation_that_would_pass_it_as_the_allocator_does():
+    """A CUDA allocator past its limit raises before it takes the memory; the tracker drops the result uncounted and
+    keeps no reference to it in the error's traceback, so inside ``except`` only what fitted is alive (lesson 05's
+    demo printed the refused tensor among what its error held)."""
+    with MemoryTracker(budget=MiB) as tracker:
+        kept = torch.ones(MiB // 2, dtype=torch.uint8)
+        try:
+            torch.ones(MiB, dtype=torch.uint8)
+        except memory.BudgetExceeded as err:
+            during, peak, raised_by = tracker.current, tracker.peak, err.tracker
+            assert "needed 1.5 MiB of tensors, more than the budget of 1.0 MiB" in str(err)
+    assert during == peak == MiB // 2 and raised_by is tracker and kept.numel() == MiB // 2
+
+
+def test_a_refused_step_frees_its_tensors_as_soon_as_its_error_is_gone_without_a_collection():
+    """Nothing the error refers to refers back to it: a cycle would keep the failed step's frames, and every tensor
+    they hold, until the garbage collector ran (lesson 03's naive loop, which collects nothing, left 11 MiB)."""
+    def step():
+        held = torch.ones(MiB // 2, dtype=torch.uint8)
+        return held, torch.ones(MiB, dtype=torch.uint8)
+
+    gc.disable()
+    try:
+        with MemoryTracker(budget=MiB) as tracker:
+            try:
+                step()
+            except memory.BudgetExceeded:
+                pass
+            assert tracker.current == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("use, says", [
@@ -265,13 +300,40 @@ def test_recording_history_without_cuda_says_so_and_carries_on(capsys):
     assert "No CUDA device here" in capsys.readouterr().out
 
 
-def test_record_history_keeps_python_stacks_only(monkeypatch):
-    """torch's default, stacks="all", symbolizes C++ frames when the snapshot is written: minutes, not seconds."""
+def test_record_history_keeps_python_stacks_only(cuda_stand_in):
+    """torch's default, stacks="all", symbolizes C++ frames when the snapshot is written: minutes, not seconds. On the
+    CUDA stand-in (the history itself is GPU-only: the stand-in refuses it, and a spy takes its place here)."""
     calls = []
-    monkeypatch.setattr(memory, "get_device", lambda device=None: torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw)))
-    assert memory.record_history(max_entries=10) is True
+    with mock.patch.object(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw))):
+        assert memory.record_history(max_entries=10) is True
     assert calls == [((), {"max_entries": 10, "context": "all", "stacks": "python"})]
+
+
+def test_record_history_on_the_stand_in_says_it_cannot_record_where_torch_refuses(cuda_stand_in, capsys):
+    assert memory.record_history() is False  # the stand-in refuses, as a backend without a history raises
+    assert "cannot record a memory history" in capsys.readouterr().out
+
+
+def test_outside_allocator_on_the_stand_in_subtracts_what_pytorch_reserved(cuda_stand_in, monkeypatch):
+    """NVML's memory of this process (here 700 MiB, asked for CUDA device 0) minus torch's reserved; where NVML does
+    not list the process, the device's used memory (mem_get_info) minus reserved instead, which the text names."""
+    held = torch.ones(3 * MiB, dtype=torch.uint8)  # 3 MiB allocated: two 2 MiB segments reserved
+    reserved = torch.cuda.memory_reserved()
+    assert reserved == 4 * MiB
+    asked = []
+    monkeypatch.setattr(memory, "_nvml_process_bytes", lambda index: asked.append(index) or 700 * MiB)
+    nbytes, how = memory.outside_allocator()
+    assert asked == [0] and nbytes == 700 * MiB - reserved and how.startswith("NVML's memory of this process")
+    monkeypatch.setattr(memory, "_nvml_process_bytes", lambda index: None)
+    nbytes, how = memory.outside_allocator()
+    assert nbytes == 0 and "all processes" in how  # the stand-in's card holds nothing but what torch reserved
+    del held
+
+
+def test_snapshot_timeline_takes_the_cuda_device_a_lesson_runs_on(cuda_stand_in):
+    events = memory.snapshot_timeline(fake_snapshot(), device=torch.device("cpu"))  # the stand-in's device 0
+    assert events["allocated"].iloc[-1] == A + C
+    assert memory.snapshot_timeline(fake_snapshot(), device=torch.device("cuda", 0)).equals(events)
 
 
 def test_a_device_that_does_not_exist_is_a_clear_error():
@@ -310,6 +372,23 @@ def test_outside_allocator_counts_the_cuda_context():
     torch.ones(1, device="cuda")
     nbytes, how = memory.outside_allocator("cuda")
     assert nbytes > 0 and "reserved" in how
+
+
+# ----- a training run's peak, on every device -------------------------------------------------------
+
+def test_training_peak_memory_counts_a_runs_state_and_its_steps_peak_on_every_device(course_device):
+    """A run whose state is 4 KiB and whose step holds 16 KiB at its peak: on the CPU the tracker counts it; on the
+    stand-in the allocator's statistics, read through torch.cuda (_CudaAllocator), count the same bytes."""
+    def step(state):
+        torch.ones(2048) * 2  # 8 KiB of ones and 8 KiB of their double, alive at once
+
+    peaks_read = []
+    max_memory_allocated = torch.cuda.max_memory_allocated
+    with mock.patch.object(torch.cuda, "max_memory_allocated",
+                           lambda device=None: peaks_read.append(device) or max_memory_allocated(device)):
+        peak = tasks.training_peak_memory(lambda: torch.zeros(1024), step, device=course_device)
+    assert peak == 4096 + 16384
+    assert bool(peaks_read) == gpulab.on_gpu(course_device)  # the allocator's statistics on the GPU's path only
 
 
 # ----- the memory plots -----------------------------------------------------------------------------
