@@ -113,6 +113,8 @@ def test_the_oom_demo_runs_out_inside_its_cap_and_lifts_it_afterwards(lesson, ca
     row = pd.read_csv(lesson["oom_log"].path).iloc[-1]
     assert row.cap_MiB == pytest.approx(cap / MiB) and row.reserved_most_MiB <= row.cap_MiB
     assert f"within its cap of {cap / MiB:,.1f} MiB" in out and "Cap lifted" in out
+    taken = lesson["held_most"] - lesson["reserved_before"]  # reserved on top of what the process held: the budget's unit
+    assert f"The demo took at most {taken / MiB:.1f} MiB more reserved memory" in out and taken <= lesson["oom_budget"]
 
 
 class _Broken(nn.Module):
@@ -137,6 +139,10 @@ def test_the_oom_demo_on_a_cpu_uses_the_same_budget_as_an_emulated_card(lesson, 
     run_cell("oom_model = models.ResidualMLP", lesson)
     out = capsys.readouterr().out
     assert "BudgetExceeded" in out and lesson["card"].budget == lesson["oom_budget"] and "cap" not in out
+    # the emulated card refuses as a GPU does: what the error held fitted the budget, and the summary says so
+    assert lesson["baseline"] == 0 and lesson["during"] <= lesson["oom_budget"] and lesson["taken"] == lesson["card"].peak
+    assert (f"The demo took at most {lesson['card'].peak / MiB:.1f} MiB of tensors in the emulated card: within its "
+            "budget of 64 MiB.") in out
 
 
 # ----- section 4: checkpointing's measured cost, explained ------------------------------------------------------
