@@ -263,13 +263,15 @@ def test_a_race_compares_training_losses_step_by_step_a_measure_that_can_change(
     assert row["note"] == "loss differs" and not row["kept"] and row["tokens_per_s"] > 0
 
 
-def run_waterfall(waterfall, times, gaps=None, warmups=None, states=None):
+def run_waterfall(waterfall, times, gaps=None, warmups=None, states=None, stop_at=None):
     """The waterfall's cell with its races' results given; each race records its candidate's options and the folder
-    Inductor would compile into."""
+    Inductor would compile into. The race of step ``stop_at`` raises, as a crash or an interrupt would."""
     seen = []
 
     def race(current, candidate):
         (name_a, _), (name_b, options_b) = current, candidate
+        if name_b == stop_at:
+            raise KeyboardInterrupt(f"stopped at {name_b}")
         seen.append((name_b, dict(options_b), os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")))
         a, b = times[name_a.removesuffix(" (final)")], times[name_b.removesuffix(" (final)")]
         comparison = Comparison.of([a * (1 + 0.01 * i) for i in range(6)], [b * (1 - 0.01 * i) for i in range(6)],
@@ -330,6 +332,23 @@ def test_the_compiler_steps_come_last_and_compile_cold_once_each(on_an_h100, wat
     run(waterfall, "final = race((")
     assert "warm (this kernel compiled before" in capsys.readouterr().out
     assert waterfall["compile_caches"].name == folder == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_a_waterfall_stopped_mid_path_has_logged_every_verdict_it_gave(on_an_h100, waterfall, results_dir):
+    """The 2026-11-28 H200 run stopped at the CUDA graphs step and kept no waterfall row: they were logged after the
+    loop. Each row is logged as its verdict is given (racing.Path's log): stopped at torch.compile, the naive loop and
+    the six steps before it are in 09_waterfall.csv, each with its verdict, its race's state and the one reference."""
+    states = {name: Conditions(gpu=True, sm_clock_mhz=1000 + i, sm_clock_low_mhz=1000 + i, sm_clock_high_mhz=1000 + i)
+              for i, name in enumerate(STEP_TIMES)}
+    with pytest.raises(KeyboardInterrupt, match="stopped at torch.compile"):
+        run_waterfall(waterfall, STEP_TIMES, states=states, stop_at="torch.compile")
+    rows = pd.read_csv(results_dir / "09_waterfall.csv").set_index("step")
+    assert list(rows.index) == list(STEP_TIMES)[:7]
+    assert rows.note.tolist() == ["the baseline", "kept", "kept", "kept", "within noise", "within noise", "kept"]
+    assert rows.loc["naive fp32", "sm_clock_mhz"] == rows.loc["TF32", "sm_clock_mhz"] == 1001
+    reference = datasheets.peak(H100, "bf16")
+    assert rows.mfu_vs_reference.to_numpy() == pytest.approx((rows.achieved_tflops / reference).to_numpy())
+    assert (rows.reference == f"the dense bf16 peak ({reference:g} TFLOP/s)").all()
 
 
 def test_a_step_whose_training_drifts_is_not_kept_however_fast(on_an_h100, waterfall):
