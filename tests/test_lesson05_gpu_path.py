@@ -112,6 +112,7 @@ def test_the_oom_demo_stays_inside_its_cap_and_prints_each_figure_beside_what_bo
             "tensors") in out
     assert (f"The demo took at most {(held_most - reserved_before) / MiB:.1f} MiB more reserved memory than the process "
             "held before it: within its budget of 64 MiB.") in out
+    assert ("outgrew what the process reserved on top" in out) == (during - baseline > lesson["taken"])
     row = lesson["oom_log"].frame().iloc[-1]
     assert row.taken_MiB <= row.budget_MiB == 64 and row.reserved_most_MiB <= row.cap_MiB
 
