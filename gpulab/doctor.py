@@ -13,6 +13,7 @@ from enum import IntEnum
 import torch
 
 from . import nvml
+from .device import on_gpu
 
 
 class Severity(IntEnum):
@@ -33,15 +34,23 @@ class Finding:
 
 
 def diagnose() -> list[Finding]:
-    """Run every check; the GPU checks only where torch sees a GPU, the NVML ones where NVML works."""
+    """Run every check; the GPU checks only where there is a GPU (``gpulab.on_gpu``), the NVML ones where NVML works."""
     findings = [_torch_build(), _launch_blocking()]
     driver_cuda = _driver_cuda_version()
-    if not torch.cuda.is_available():
+    device = machine_device()
+    if not on_gpu(device):
         findings.append(_no_gpu(driver_cuda))
     else:
-        findings += [_driver_matches(driver_cuda), _tensor_lands_on_gpu(), _cudnn()]
+        findings += [_driver_matches(driver_cuda), _tensor_lands_on_gpu(device), _cudnn(device)]
     findings += _nvml_findings()
     return findings
+
+
+def machine_device() -> torch.device:
+    """The device the checks examine: the first GPU where torch's CUDA runtime works, else the CPU. Asking the runtime
+    itself (``torch.cuda.is_available()``) is what doctor is for, so it is not the course's choice of device
+    (``$GPULAB_DEVICE``); ``gpulab.on_gpu`` then says whether it is a GPU (under the tests' CUDA stand-in, the CPU)."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def exit_status(findings: list[Finding]) -> int:
@@ -162,28 +171,30 @@ def _driver_matches(driver_cuda) -> Finding:
     )
 
 
-def _tensor_lands_on_gpu() -> Finding:
+def _tensor_lands_on_gpu(device: torch.device) -> Finding:
+    """A tensor made on the GPU and a value read back: the first use of the CUDA runtime (GPU-only by nature)."""
     start = time.perf_counter()
     try:
-        x = torch.arange(1000, device="cuda", dtype=torch.float32)
+        x = torch.arange(1000, device=device, dtype=torch.float32)
         total = (x * 2).sum().item()
     except RuntimeError as err:
         return Finding("tensor on GPU", Severity.ERROR, f"a tensor could not be used on the GPU: {err}",
                        "run nvidia-smi and restart the runtime; the GPU may be in a bad state")
     seconds = time.perf_counter() - start
-    if x.device.type != "cuda" or total != 999000.0:
+    if not on_gpu(x.device) or total != 999000.0:
         return Finding("tensor on GPU", Severity.ERROR, f"wrong result on {x.device}: {total}", "restart the runtime")
     name = torch.cuda.get_device_name(x.device)
     return Finding("tensor on GPU", Severity.OK, f"computed on {x.device} ({name}); first use took {seconds:.2f} s")
 
 
-def _cudnn() -> Finding:
+def _cudnn(device: torch.device) -> Finding:
+    """A convolution on the GPU, which cuDNN runs there (GPU-only by nature)."""
     if not torch.backends.cudnn.is_available():
         return Finding("cuDNN", Severity.WARNING, "cuDNN is not available: convolutions will be slow",
                        "install a torch build that bundles cuDNN (the default pip wheels do)")
     try:
-        conv = torch.nn.Conv2d(3, 8, 3).cuda()
-        conv(torch.randn(1, 3, 16, 16, device="cuda")).sum().item()
+        conv = torch.nn.Conv2d(3, 8, 3).to(device)
+        conv(torch.randn(1, 3, 16, 16, device=device)).sum().item()
     except RuntimeError as err:
         return Finding("cuDNN", Severity.ERROR, f"a convolution failed on the GPU: {err}", "reinstall torch")
     return Finding("cuDNN", Severity.OK, f"cuDNN {torch.backends.cudnn.version()}, a convolution ran")
@@ -212,7 +223,7 @@ def _nvml_unreachable(err: nvml.NvmlUnavailable) -> Finding:
                        "clocks, temperature, power or utilisation",
                        "pip install nvidia-ml-py")
     reason = err.reason  # NVML's own error
-    if torch.cuda.is_available():
+    if on_gpu(machine_device()):
         return Finding("NVML", Severity.WARNING,
                        f"{_nvidia_ml_py()} is installed, but NVML did not start ({reason}): torch reaches the GPU, so "
                        "the driver is loaded, but its NVML library (libnvidia-ml.so.1) is not reachable from this "

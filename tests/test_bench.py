@@ -1,4 +1,7 @@
 import functools
+import inspect
+import statistics
+import timeit
 
 import pandas as pd
 import pytest
@@ -103,3 +106,42 @@ def test_gpu_peak_is_within_5_percent_of_a_longer_careful_run():
     longer = precision.matmul_peak(dtype, "cuda", sizes=[peak.n], warmup_s=5, min_time=5)
     assert peak.tflops >= 0.95 * longer.tflops
     assert peak.best_tflops >= peak.tflops
+
+
+# ---- on a GPU: the rows and timers only a GPU gets, on the CUDA stand-in -----------------------------------------------
+
+
+def test_bench_on_a_gpu_adds_half_precision_and_the_host_link_against_pcie(cuda_stand_in, fake_nvml_card, results_dir,
+                                                                          monkeypatch):
+    """`gpulab bench`'s GPU rows (fp16 and bf16 peaks, pinned and pageable copies to the device, their share of the PCIe
+    link that NVML reports), which no test ran: on the CPU playing an H200, with NVML's Gen5 x16 link."""
+    from gpulab.commands import bench
+
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    rows = {row["test"]: row for row in bench.run_benchmarks()}
+    assert list(rows) == ["matmul peak float32", "matmul peak float16", "matmul peak bfloat16", "memory copy 0.017 GB",
+                          "host→device pinned 0.017 GB", "host→device pageable 0.017 GB", "launch of a tiny op"]
+    assert rows["host→device pinned 0.017 GB"]["of_limit"].endswith("of PCIe 63.0 GB/s")
+    assert all(row["value"] > 0 for row in rows.values())
+
+
+def do_bench_on_the_host(fn, warmup=25, rep=100, grad_to_none=None, quantiles=None, return_mode="mean"):
+    """triton.testing.do_bench's signature and answer (ms), timed on the host: the real one asks triton's active
+    driver for the GPU and its L2 flush buffer (GPU-only)."""
+    assert return_mode in ["min", "max", "mean", "median", "all"] and quantiles is None
+    times = [timeit.timeit(fn, number=1) * 1e3 for _ in range(5)]
+    return {"min": min, "max": max, "mean": statistics.mean, "median": statistics.median}[return_mode](times)
+
+
+def test_on_a_gpu_the_timers_add_the_cold_cache_and_triton(cuda_stand_in, results_dir, monkeypatch):
+    triton_testing = pytest.importorskip("triton.testing")
+    assert inspect.signature(do_bench_on_the_host) == inspect.signature(triton_testing.do_bench)
+    monkeypatch.setattr(triton_testing, "do_bench", do_bench_on_the_host)
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    cases = timer_agreement.cases  # its first two cases: each cold call writes the 256 MiB flush, slow on a CPU
+    monkeypatch.setattr(timer_agreement, "cases", lambda device: dict(list(cases(device).items())[:2]))
+    table = timer_agreement.agreement("cpu", rounds=2, min_time=0.005)
+    assert list(table.columns) == ["gpulab", "torch", "gpulab cold", "triton", "gpulab / torch", "gpulab cold / triton",
+                                   "spread"]
+    assert (table["gpulab cold / triton"] == table["gpulab cold"] / table["triton"]).all()
+    assert "gpulab cold / triton: " in timer_agreement.render(table)

@@ -3,7 +3,7 @@
 import torch
 from tqdm.auto import tqdm
 
-from ..device import device_info, get_device
+from ..device import device_info, get_device, on_gpu
 from ..mode import by_mode
 from ..precision import matmul_flops, matmul_peak
 from ..results import ResultLog
@@ -49,7 +49,7 @@ def run_benchmarks(device=None) -> list[dict]:
     """Measure; every row is also appended to results/bench.csv. Returns the rows."""
     device = get_device(device)
     info = device_info(device)
-    cuda = device.type == "cuda"
+    cuda = on_gpu(device)
     nbytes = by_mode(1 << 30 if cuda else 1 << 28, 1 << 24)
     dtypes = [torch.float32] + ([torch.float16] if cuda else []) + ([torch.bfloat16] if info.bf16_native else [])
     tasks = [(f"matmul peak {str(d).removeprefix('torch.')}", _matmul, (device, d)) for d in dtypes]

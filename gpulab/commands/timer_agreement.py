@@ -18,7 +18,7 @@ import torch
 from torch.utils.benchmark import Timer
 from tqdm.auto import tqdm
 
-from ..device import get_device
+from ..device import get_device, on_gpu
 from ..mode import by_mode
 from ..results import ResultLog
 from ..timing import bench
@@ -29,7 +29,7 @@ PAIRS = {"gpulab / torch": ("gpulab", "torch"), "gpulab cold / triton": ("gpulab
 
 def cases(device: torch.device) -> dict:
     """The operations to time, each a function of no arguments: {name: fn}."""
-    cuda = device.type == "cuda"
+    cuda = on_gpu(device)
     one = torch.zeros(1, device=device)
     ops = {"add, 1 element": functools.partial(one.add_, 1)}
     for elements in by_mode(full=[2**20, 2**24, 2**28] if cuda else [2**10, 2**16, 2**20, 2**24],
@@ -52,13 +52,13 @@ def timers(device: torch.device, threads: int, min_time: float) -> dict:
         "torch": lambda fn: Timer("fn()", globals={"fn": fn}, num_threads=threads)
         .blocked_autorange(min_run_time=min_time).median,
     }
-    if device.type == "cuda":
+    if on_gpu(device):
         found["gpulab cold"] = lambda fn: bench(fn, threads=threads, min_time=min_time, cache="cold").median
         try:
             from triton.testing import do_bench
         except ImportError:
             print("triton is not installed: its do_bench is left out of the comparison")
-        else:
+        else:  # GPU-only: do_bench asks triton's active driver for the GPU (triton/testing.py, do_bench)
             found["triton"] = lambda fn: do_bench(fn, rep=max(1, round(min_time * 1e3)), return_mode="median") / 1e3
     return found
 
