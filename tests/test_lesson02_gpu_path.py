@@ -5,15 +5,16 @@ real ``gpulab.busy.measure``. They prove the Python around torch.cuda's calls (w
 done with their answers), never the GPU: a CPU copies nothing to a device and overlaps nothing, so no test here reads
 a speed. The cells' own timings in quick mode are a few seconds each."""
 
+import dataclasses
 import math
 import warnings
 
 import matplotlib.pyplot as plt
-import pandas as pd
 import pytest
 import torch
 
 import gpulab
+from gpulab import Comparison
 from gpulab.timing import Measurement
 from gpulab.transfers import Timeline
 
@@ -32,15 +33,17 @@ def run(scope: dict, *markers: str) -> dict:
 
 
 @pytest.fixture
-def lesson(cuda_stand_in, monkeypatch, results_dir):
-    """The notebook's globals after its imports, on the CPU playing an H200, in quick mode; figures not shown and
-    tables kept in ``shown``."""
+def lesson(fake_nvml_card, cuda_stand_in, monkeypatch, results_dir):
+    """The notebook's globals after its imports, on the CPU playing an H200 (NVML's answers from the fake libnvidia-ml
+    of an H200: 97 % utilisation, 80 % SM activity), in quick mode; figures not shown and tables kept in ``shown``."""
+    fake_nvml_card.gpu_util_pct, fake_nvml_card.sm_activity_pct = 97, 80.0
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, "from gpulab.transfers import")
     scope["shown"] = []
     scope["display"] = scope["shown"].append
-    assert scope["on_gpu"] and scope["info"].name == "NVIDIA H200"
+    assert scope["on_gpu"] and scope["info"].name == "NVIDIA H200" and scope["nvml_ok"]
+    assert scope["link_gbps"] == pytest.approx(63.0, abs=0.1)  # the H200's Gen5 x16, read through NVML
     yield scope
     plt.close("all")
 
@@ -48,8 +51,12 @@ def lesson(cuda_stand_in, monkeypatch, results_dir):
 def test_the_copy_timings_and_the_bandwidth_sweep_run_their_gpu_branch(lesson, capsys):
     """Cells 6, 8, 9 and 11: the naive and the right timing of a copy, the sweep over sizes and memories, pinned
     against pageable in interleaved pairs, and how long a non-blocking copy leaves Python free."""
-    run(lesson, "Naive 1: wall clock", "def make_h2d(", "def plot_bandwidth(", "for memory, x in host.items()")
+    run(lesson, "PCIe link of", "Naive 1: wall clock", "def make_h2d(", "def plot_bandwidth(",
+        "for memory, x in host.items()")
     said = capsys.readouterr().out
+    assert "So no host↔device copy can go faster than 63.0 GB/s in one direction." in said
+    assert "× what the PCIe link can carry: it timed the launch" in said
+    assert "(pageable) of the 63.0 GB/s the link can carry" in said
     assert "Copying 16 MiB from pinned host memory to NVIDIA H200:" in said
     assert "right: CUDA events, warmed up, median of 10" in said and "it timed the launch" in said
     swept = lesson["bandwidth"]
@@ -91,17 +98,30 @@ def test_the_hazard_reads_a_copy_that_a_cpu_has_already_made(lesson, capsys):
 
 
 @pytest.fixture
-def fast_bench(monkeypatch):
-    """gpulab.bench answers 5 ms at once: the loader cells' own timings are not what these tests check."""
+def fast_timing(monkeypatch):
+    """gpulab.bench answers 5 ms at once, and gpulab.compare calls each side once and answers 2× faster: the loader
+    cells' own timings are not what these tests check, the code that makes and reads them is."""
     monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kwargs: Measurement(label, (0.005,) * 3,
                                                                                              "cpu", 1))
+    compared = []
+
+    def compare(baseline, candidate, *, labels, **kwargs):
+        baseline(), candidate()
+        compared.append(labels)
+        return dataclasses.replace(Comparison.of([2.0] * 5, [1.0] * 5, labels=labels), baseline_warmup=(2.5,),
+                                   candidate_warmup=(1.5,))
+
+    monkeypatch.setattr(gpulab, "compare", compare)
+    return compared
 
 
-def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson, fast_bench, capsys):
-    """Cells 21 and 23 on a GPU's path with gpulab.busy.measure itself (lesson 02's other tests replace it). On the
-    H200 (2026-11-28) cell 21 raised NoDeviceEvents: measure exported the profile after its block, when torch's
-    default schedule (repeat=0) had started a new, empty cycle. Here every configuration's own steps are profiled and
-    found in the trace; the stand-in's trace has no kernels, so the shares are NaN with the reason."""
+def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson, fast_timing, capsys):
+    """Cells 21, 23 and 30 on a GPU's path with gpulab.busy.measure itself (lesson 02's other tests replace it). On
+    the H200 (2026-11-28) cell 21 raised NoDeviceEvents: measure exported the profile after its block, when torch's
+    default schedule (repeat=0) had started a new, empty cycle; before that fix measure returned without profiling on
+    a CPU, so no test saw it. Here every configuration's own steps are profiled and found in the trace, and NVML's
+    readings over the same steps come from the fake H200; the stand-in's trace has no kernels, so the kernel shares
+    are NaN with the reason. Then the comparisons a GPU adds (cells 24, 25, 27, 30) run on what the sweep found."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_ACCELERATOR, UserWarning)
         run(lesson, "one augmented sample", "def train_step(", "def steady_rate(")
@@ -109,13 +129,31 @@ def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson
     ceiling = lesson["ceiling_busy"]
     assert ceiling.steps == gpulab.by_mode(full=20, quick=3) and ceiling.step_ms > 0
     assert math.isnan(ceiling.kernel_share) and "the trace has no GPU kernels" in ceiling.note
+    assert ceiling.nvml_util == pytest.approx(0.97) and ceiling.sm_activity == pytest.approx(0.80)
     said = capsys.readouterr().out
     assert f"How busy the GPU is, data already on the device: {ceiling.steps} profiled steps of" in said
     rows = lesson["log"].frame().set_index("config")
     assert list(rows.index) == list(lesson["configs"])
     assert (rows["busy_steps"] == steps).all() and (rows["busy_step_ms"] > 0).all()  # its own steps, profiled
-    assert rows["kernel_busy"].isna().all() and rows["nvml_util"].isna().all()
-    assert isinstance(lesson["loader_results"], pd.DataFrame)
+    assert rows["kernel_busy"].isna().all() and rows["nvml_util"].tolist() == pytest.approx([0.97] * len(rows))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", NO_ACCELERATOR, UserWarning)
+        run(lesson, "def plot_loader(", "Highest steady rate measured", "monitored_loader = DataLoader(",
+            "def augment_on_device(", "uint8_loader = DataLoader(")
+    tuned = list(lesson["configs"])[-1]
+    where = "GPU"
+    assert fast_timing == [  # the tuned loader against the first and against data on the device; the monitor's cost
+        (list(lesson["configs"])[0], tuned), (tuned, "data already on the device"),
+        ("no monitor", "monitor every 0.1 s"), ("no monitor", "monitor every 0.01 s"),
+        (tuned, f"data set on the {where}, augmented there"), (tuned, "uint8 loader")]
+    said = capsys.readouterr().out
+    assert "The tuned loader feeds the GPU: beyond the noise, it trains within 10 % of the rate" not in said
+    assert "falls short" in said  # the data on the device 2× faster (fake): the loader falls short of it
+    assert "monitor every 0.01 s: 2.00× (2.00–2.00×) the speed without it (5 interleaved pairs of epochs)" in said
+    fed = gpulab.ResultLog("02_fed_gpu").frame().set_index("config")
+    assert (fed["busy_steps"] == steps).all() and len(fed) == 2  # the two pipelines, each profiled on its own steps
+    assert f"uint8 from {lesson['workers'][-1]} workers, augmented on the GPU" in fed.index
 
 
 def test_the_timeline_times_spans_on_the_host_clock_on_a_cpu_and_with_events_on_a_gpu(course_device):
