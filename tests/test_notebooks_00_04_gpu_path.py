@@ -3,6 +3,7 @@ readers consistent, lesson 02's on-device pipeline copies nothing from the host 
 what gpulab.precision does."""
 
 import ast
+import ctypes
 import json
 import subprocess
 import sys
@@ -186,3 +187,105 @@ def test_the_count_catches_v2_normalize_copying_its_constants_every_call(on_devi
     assert _host_copies(lambda: v2.Normalize(mean=list(MEAN), std=list(STD))(x)) == ["as_tensor", "as_tensor"]
     assert _host_copies(lambda: (x - on_device_pipeline["mean"]) / on_device_pipeline["std"]) == []
     assert _host_copies(lambda: torch.zeros(2).to("meta")) == ["to from the host"]
+
+
+# ---- lesson 00 on a GPU: the CUDA stand-in with the fake libnvidia-ml --------------------------------------------------
+
+def with_memory_info_v2(library, reserved_mib: int):
+    """NVML's memory query, version 2, added to the fake library (nvml.h: ``nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t,
+    nvmlMemory_v2_t *)``, the struct's ``version`` set by the caller to ``nvmlMemory_v2``): the card's total, the
+    driver's reserve, what processes allocated, and what is left."""
+    import pynvml as nv
+
+    from . import fake_libnvml
+
+    def body(handle, out):
+        card = library._card(handle, "nvmlDeviceGetMemoryInfo_v2")
+        if not out or out.contents.version != nv.nvmlMemory_v2:
+            raise fake_libnvml._Return(nv.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        total, reserved = card.memory_total_mib * 2**20, reserved_mib * 2**20
+        fake_libnvml._fill(out, total=total, reserved=reserved, used=card.memory_used_bytes,
+                           free=total - reserved - card.memory_used_bytes)
+
+    library._nvmlDeviceGetMemoryInfo_v2 = body
+    library._functions["nvmlDeviceGetMemoryInfo_v2"] = fake_libnvml.Function(
+        library, "nvmlDeviceGetMemoryInfo_v2", (fake_libnvml.DEVICE, ctypes.POINTER(nv.c_nvmlMemory_v2_t)))
+    return library
+
+
+def lesson_00_nvml_cell(capsys) -> str:
+    """Lesson 00's NVML cell (section 4) on the CPU playing an H200, as it runs after section 3 found NVML."""
+    import gpulab
+    from gpulab import nvml
+
+    scope = {"__name__": "__main__", "gpulab": gpulab, "torch": torch, "nvml": nvml, "device": torch.device("cpu"),
+             "ok": True, "driver": "580.159.04"}
+    exec(compile(cell("00", "1fc5d308"), "<lesson 00, NVML>", "exec"), scope)
+    return capsys.readouterr().out
+
+
+# The H200 of 2026-11-28: NVML's total 143,771 MiB (150.75 GB), torch's total_memory 150.1 GB (the stand-in's card).
+H200_GAP_MIB = round((143_771 * 2**20 - 150_110_000_000) / 2**20)
+
+
+def test_lesson_00_names_the_driver_reserve_between_nvmls_and_cudas_memory_totals(cuda_stand_in, capsys):
+    """On the H200 section 1 printed 150.1 GB and section 4 150.8 GB, side by side, with no word on why: NVML counts
+    the card's whole memory, CUDA leaves out what the driver reserves (NVML's memory query version 2 names it)."""
+    from . import fake_libnvml
+
+    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=3 * 10**9)) as library:
+        with_memory_info_v2(library, reserved_mib=H200_GAP_MIB)
+        out = lesson_00_nvml_cell(capsys)
+    assert "memory used 3.00 of 150.8 GB (and 0.64 GB reserved by the driver)" in out
+    assert f"Two totals for one card: NVML's 150.75 GB, CUDA's 150.11 GB (section 1): NVML counts 0.64 GB " \
+           f"({H200_GAP_MIB} MiB) more." in out
+    assert f"That gap is the driver's reserve, 0.64 GB ({H200_GAP_MIB} MiB)" in out
+
+
+def test_lesson_00_says_what_the_reserve_leaves_unexplained(cuda_stand_in, capsys):
+    from . import fake_libnvml
+
+    with fake_libnvml.installed(fake_libnvml.h200()) as library:
+        with_memory_info_v2(library, reserved_mib=H200_GAP_MIB // 2)
+        out = lesson_00_nvml_cell(capsys)
+    assert f"The driver reserves 0.32 GB ({H200_GAP_MIB // 2} MiB) of the gap; the other 0.32 GB" in out
+
+
+def test_lesson_00_without_memory_info_v2_reads_version_1_and_says_the_gap_is_unnamed(cuda_stand_in, capsys):
+    """A driver without nvmlDeviceGetMemoryInfo_v2 (the fake library has only version 1): its `used` includes the
+    reserve, and the cell does not guess the gap's cause."""
+    from . import fake_libnvml
+
+    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=3 * 10**9)):
+        out = lesson_00_nvml_cell(capsys)
+    assert "memory used 3.00 of 150.8 GB (the driver's reserve included)" in out
+    assert "NVML counts 0.64 GB" in out and "cannot be named from here" in out
+
+
+def test_lesson_00_runs_its_gpu_branches_on_the_stand_in(cuda_stand_in, fake_nvml_card, monkeypatch, results_dir,
+                                                       capsys):
+    """Every code cell of lesson 00 in order, on the CPU playing an H200 with NVML answering (the audit of 2026-11-28
+    listed cells 11, 25 and 29 as run by no test): the version matrix from NVML, the memory totals, doctor's GPU
+    checks, the CPU-vs-GPU matmul sizes and their crossover. The comparisons are timed for 10 ms each."""
+    import matplotlib.pyplot as plt
+
+    import gpulab
+
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
+    compare = gpulab.compare
+    monkeypatch.setattr(gpulab, "compare", lambda *args, **kwargs: compare(*args, **{**kwargs, "min_time": 0.01}))
+    scope = {"__name__": "__main__", "display": print}
+    before = torch.get_float32_matmul_precision()
+    try:
+        for index, source in enumerate(c.source for c in cells("00")):
+            exec(compile(source, f"<lesson 00, code cell {index}>", "exec"), scope)
+    finally:
+        torch.set_float32_matmul_precision(before)
+        plt.close("all")
+    out = capsys.readouterr().out
+    assert "newest CUDA the driver supports" in str(scope["matrix"]) and scope["driver_cuda"] == (13, 0)
+    assert "Two totals for one card: NVML's 150.75 GB, CUDA's 150.11 GB" in out
+    assert "[ok  ] tensor on GPU: computed on cpu (NVIDIA H200)" in out
+    assert set(scope["results"]["on"]) == {"cpu", "cuda"} and len(scope["gpu_vs_cpu"]) == 6
+    assert "NVIDIA H200: " in out and "for fp32 matmuls up to n = 512" in out
