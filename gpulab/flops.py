@@ -269,7 +269,7 @@ class Ceiling:
                  else f"; above the datasheet's dense {self.datasheet_tflops:g}: impossible, so that datasheet row is "
                  "not this card's or this precision's" if self.datasheet_tflops else "")
         held = f"; sustained {self.sustained}" if self.sustained and self.sustained.tflops != self.tflops else ""
-        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{held}{sheet}"
+        return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{sheet}{held}"
 
 
 MAX_PRODUCT_S = 0.25  # a shape whose product would take longer than this is not tried

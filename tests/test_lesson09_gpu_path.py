@@ -108,11 +108,11 @@ def h200_ceiling(precision: str) -> flops.Ceiling:
                       gpu_power_w=row.gpu_power_w, gpu_power_limit_w=row.gpu_power_limit_w, throttle=(row.throttle,))
     top = dataclasses.replace(held, sm_clock_mhz=1980.0, sm_clock_low_mhz=1980.0, sm_clock_high_mhz=1980.0,
                               gpu_power_w=640.0, throttle=())
-    burst = flops.Timed(BURSTS[precision], top)
-    return flops.Ceiling(precision, burst.tflops, (int(row.m), int(row.n), int(row.k)),
+    burst, sustained = flops.Timed(BURSTS[precision], top), flops.Timed(row.ceiling_tflops, held)
+    chosen = burst if burst.tflops >= sustained.tflops else sustained  # as flops.ceiling chooses
+    return flops.Ceiling(precision, chosen.tflops, (int(row.m), int(row.n), int(row.k)),
                          {(int(row.m), int(row.n), int(row.k)): row.ceiling_tflops}, "NVIDIA H200",
-                         datasheets.peak("NVIDIA H200", precision), top, burst=burst,
-                         sustained=flops.Timed(row.ceiling_tflops, held))
+                         datasheets.peak("NVIDIA H200", precision), chosen.conditions, burst=burst, sustained=sustained)
 
 
 def test_the_ceilings_table_shows_the_burst_and_the_sustained_rate_each_with_its_clock_and_power(
@@ -120,7 +120,9 @@ def test_the_ceilings_table_shows_the_burst_and_the_sustained_rate_each_with_its
     """The H200's bf16 row of 2026-11-28 ran at 1515 of 1980 MHz, 557 W of its 700 W limit, SW power cap (694.9
     TFLOP/s): the table shows that sustained rate with its clock and power beside the burst at the top clock, the
     ceiling "of achievable" divides by; what the gap is comes from those columns. fp16 and fp8, which no step of the
-    lesson runs in, are not searched (each search takes seconds on a GPU)."""
+    lesson runs in, are not searched (each search takes seconds on a GPU). A burst that came out slower (tf32 here:
+    its clocks had not come back) leaves the ceiling at the sustained rate, and the cell says so."""
+    monkeypatch.setitem(BURSTS, "tf32", 300.0)
     asked = []
     monkeypatch.setattr(flops, "ceiling", lambda precision, device=None, **options: asked.append(precision) or
                         h200_ceiling(precision))
@@ -139,6 +141,9 @@ def test_the_ceilings_table_shows_the_burst_and_the_sustained_rate_each_with_its
             "burst, 790 TFLOP/s at SM clock 1980 MHz of 1980, 640 W of 700. Held at its power limit") in said
     assert "fp32: sustained 52.17 TFLOP/s at SM clock 1860–1965 MHz of 1980, 699 W of 700" in said
     assert "The ceiling column, what 'of achievable' divides by, is the burst" in said
+    assert ("tf32: the burst, 300 TFLOP/s at SM clock 1980 MHz of 1980, 640 W of 700, was no faster than the "
+            "sustained rate, 342.6 TFLOP/s at SM clock 1455–1485 MHz of 1980, 695 W of 700, SW power cap") in said
+    assert table.loc["tf32", "ceiling"] == table.loc["tf32", "sustained"] == 342.635
     rows = pd.read_csv(results_dir / "09_ceilings.csv").set_index("precision")
     assert rows.loc["bf16", "sustained_sm_clock_low_mhz"] == 1515 and rows.loc["bf16", "ceiling_tflops"] == 790.0
 
