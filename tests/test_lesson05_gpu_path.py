@@ -7,6 +7,7 @@ What runs here is the code around torch's calls; the stand-in's allocator counts
 so its numbers prove the lesson's arithmetic, never the GPU's."""
 
 import ast
+import os
 import shutil
 from unittest import mock
 
@@ -61,12 +62,14 @@ def test_section_1_reads_the_allocator_and_every_part_is_as_predicted(lesson, ca
     assert "On a GPU the allocator rounds every block" in capsys.readouterr().out
 
 
-def test_the_memory_outside_the_allocator_is_measured_and_logged(lesson, capsys):
+def test_the_memory_outside_the_allocator_is_measured_and_logged(lesson, capsys, fake_nvml_card):
+    """NVML (tests/fake_libnvml.py's H200) says this process uses 742 MiB, as the H200's did on 2026-11-28."""
+    fake_nvml_card.processes = [(os.getpid(), 742 * MiB + torch.cuda.memory_reserved())]
     run_cell('ResultLog("05_cuda_context")', lesson)
     out = capsys.readouterr().out
-    assert "Memory this process uses on the GPU that PyTorch does not count: 0 MiB (the device's used memory" in out
+    assert "Memory this process uses on the GPU that PyTorch does not count: 742 MiB (NVML's memory of this process" in out
     row = lesson["context_log"].frame().iloc[-1]
-    assert row.outside_allocator_MiB == 0 and row.reserved_MiB == torch.cuda.memory_reserved() / MiB
+    assert row.outside_allocator_MiB == 742 and row.reserved_MiB == torch.cuda.memory_reserved() / MiB
 
 
 def test_allocated_and_reserved_move_as_the_caching_allocator_moves_them(lesson, capsys):

@@ -5,6 +5,7 @@ import contextlib
 import gc
 import io
 import math
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -314,19 +315,20 @@ def test_record_history_on_the_stand_in_says_it_cannot_record_where_torch_refuse
     assert "cannot record a memory history" in capsys.readouterr().out
 
 
-def test_outside_allocator_on_the_stand_in_subtracts_what_pytorch_reserved(cuda_stand_in, monkeypatch):
-    """NVML's memory of this process (here 700 MiB, asked for CUDA device 0) minus torch's reserved; where NVML does
-    not list the process, the device's used memory (mem_get_info) minus reserved instead, which the text names."""
+def test_outside_allocator_on_the_stand_in_subtracts_what_pytorch_reserved(cuda_stand_in, fake_nvml_card):
+    """NVML's memory of this process (tests/fake_libnvml.py's H200, through nvidia-ml-py's wrappers) minus torch's
+    reserved; where NVML does not list this process (in a container it sees other ids) or cannot say how much it uses,
+    the device's used memory (mem_get_info) minus reserved instead, which the text names."""
     held = torch.ones(3 * MiB, dtype=torch.uint8)  # 3 MiB allocated: two 2 MiB segments reserved
     reserved = torch.cuda.memory_reserved()
     assert reserved == 4 * MiB
-    asked = []
-    monkeypatch.setattr(memory, "_nvml_process_bytes", lambda index: asked.append(index) or 700 * MiB)
+    fake_nvml_card.processes = [(os.getpid() + 1, 9 * MiB), (os.getpid(), 700 * MiB)]
     nbytes, how = memory.outside_allocator()
-    assert asked == [0] and nbytes == 700 * MiB - reserved and how.startswith("NVML's memory of this process")
-    monkeypatch.setattr(memory, "_nvml_process_bytes", lambda index: None)
-    nbytes, how = memory.outside_allocator()
-    assert nbytes == 0 and "all processes" in how  # the stand-in's card holds nothing but what torch reserved
+    assert nbytes == 700 * MiB - reserved and how.startswith("NVML's memory of this process")
+    for processes in ([(os.getpid() + 1, 700 * MiB)], [(os.getpid(), None)]):
+        fake_nvml_card.processes = processes
+        nbytes, how = memory.outside_allocator()
+        assert nbytes == 0 and "all processes" in how  # the stand-in's card holds nothing but what torch reserved
     del held
 
 
