@@ -558,3 +558,15 @@ def test_q1_on_the_course_gpu_rejects_a_clock_read_before_the_work_ran(cuda_stan
         q1.check(early_on_the_third_round)
     assert [device.type for device in rounds] == ["cpu", "cuda", "cpu"]  # the CPU, the simulated GPU, the stand-in
     assert q1.last.status == WRONG and "on cpu your timer says 0.001 ms" in q1.last.message
+
+
+def test_the_checks_observer_passes_a_synchronize_on_to_the_course_gpu(cuda_stand_in, monkeypatch):
+    """``observe()`` records each explicit wait and lets it through where there is a GPU to wait for: the course's
+    (gpulab.on_gpu), here the stand-in's, whose synchronize a check's timing depends on as a real one's does."""
+    from gpulab.questions.observe import observe
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    with observe() as seen:
+        torch.cuda.synchronize()
+    assert seen.syncs == ["torch.cuda.synchronize()"] and waited == [None]

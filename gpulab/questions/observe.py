@@ -25,6 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..device import on_gpu
+
 # Tensor methods that hand a value, text or host data back to Python: each waits for the GPU's queue.
 HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__",
                         "__format__", "__repr__", "__str__", "__array__"})
@@ -189,12 +191,13 @@ def _target(name: str, args: tuple, kwargs: dict) -> str | None:
 
 
 def _synchronize_spies(seen: Observed) -> dict:
-    """Replacements for the explicit synchronise calls: record, then wait where there is a GPU to wait for."""
+    """Replacements for the explicit synchronise calls: record, then wait where there is a GPU to wait for (the
+    course's, its stand-in in the tests, or ``simulated_gpu``'s queue)."""
 
     def spy(label, original):
         def synchronize(*args, **kwargs):
             seen.syncs.append(label)
-            if torch.cuda.is_available():
+            if on_gpu():
                 return original(*args, **kwargs)
             return None
 

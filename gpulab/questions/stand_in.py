@@ -42,7 +42,8 @@ def ratio_is(got, expected: float, ratio: float, rel: float = 0.02) -> bool:
 
 
 def simulated() -> bool:
-    """Whether ``gpu_run`` plays the GPU (this machine has none)."""
+    """Whether ``gpu_run`` plays the GPU (this machine has none). It asks CUDA itself, not ``gpulab.on_gpu``: the
+    question is whether tensors can be made on "cuda", which no stand-in for the GPU can answer yes to."""
     return not torch.cuda.is_available()
 
 
