@@ -18,7 +18,7 @@ import torch
 from gpulab import text
 
 from . import test_lesson09_gpu_path as gpu_path
-from .test_lesson09_gpu_path import define
+from .test_lesson09_gpu_path import define, run
 
 lesson, waterfall = gpu_path.lesson, gpu_path.waterfall  # the lesson's fixtures, by name in the tests below
 
@@ -190,3 +190,32 @@ def test_with_cuda_graphs_output_reuse_every_batch_the_path_can_reach_trains_as_
             differs.append(f"{micro} × {accum}: losses {eager.tolist()} eager, {graphs.tolist()} with the graphs' reuse")
     assert replayed.buffers, "the compiled forward never ran"
     assert not differs, differs
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tensors(monkeypatch, results_dir):
+    """What no CPU can show, for the next GPU run: CUDA graph trees record and replay the compiled forward and backward
+    for each of 4 micro-batches a step (quick sizes), and every replay's gradients add up into the ``.grad`` tensors
+    made before training, with no "overwritten by a subsequent run" (the H200 raised it on 2026-11-28); the training
+    stays within the waterfall's loss gap of the eager step's."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    scope = {"__name__": "__main__", "device": torch.device("cuda"), "gpulab": gpu_path.gpulab,
+             "display": lambda *args: None}
+    before = torch.get_float32_matmul_precision()
+    try:
+        run(scope, "import gc", "class GPT(nn.Module)")
+        scope["train_tokens"], _ = text.split(text.python_source(max_bytes=200_000))
+        scope.update(cfg=scope["GPTConfig"](**scope["SIZE"]), per_token=1.0)
+        run(scope, "def run_steps")
+        options = {"amp": True, "attention": "sdpa", "micro": 1, "accum": 4}
+        eager = scope["run_steps"](options)
+        eager_losses = torch.stack([next(eager)[1] for _ in range(4)]).float().cpu()
+        graphs = scope["run_steps"]({**options, "compile": "reduce-overhead"})
+        model, first = next(graphs)
+        buffers = [p.grad for p in model.parameters()]
+        graph_losses = torch.stack([first, *(next(graphs)[1] for _ in range(3))]).float().cpu()
+        assert all(p.grad is buffer for p, buffer in zip(model.parameters(), buffers, strict=True))
+        assert (graph_losses - eager_losses).abs().max() <= max(0.05, 0.02 * graph_losses[-1].abs())
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch._dynamo.reset()
