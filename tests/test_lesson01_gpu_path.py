@@ -268,13 +268,18 @@ def on_the_stand_in(cuda_stand_in, monkeypatch):
     plt.close("all")
 
 
-# Costs of the H200 of 2026-11-28, as lesson 01 printed them there (quick mode): Python launched a copy about 23 µs
-# before the GPU ran it (a 0.5 MB copy: 26.9 µs warm on an idle GPU, 3.9 µs cold behind the flush), queued 20
-# 256×256 matmuls in 0.581 ms, and a small add in 6 µs; the L2 flush writes 256 MiB at about 4.2 TB/s.
-COPY_LAUNCH_S = 23e-6
-COPY_S = {"warm": 3.0e-6, "cold": 3.9e-6}  # the GPU's own time for a 0.25 MB copy
+# Costs of the H200 of 2026-11-28, from what lesson 01 wrote there (quick mode; tests/data/lesson01): a 0.5 MB copy
+# read 26.9 µs warm on an idle GPU and 3.9 µs cold behind the flush, so Python launched it about 23 µs before the GPU
+# ran it; twenty 256×256 matmuls took 0.581 ms to queue. The flush writes 256 MiB at about 4.2 TB/s (the sweep's
+# largest cold copy), and a small add costs 6 µs a call (the launch floor it printed).
+H200_RUN = ROOT / "tests" / "data" / "lesson01"
+H200_COPIES = pd.read_csv(H200_RUN / "h200_2026-11-28_quick_01_copy_bandwidth.csv").set_index(["working_set_mb", "cache"])
+COPY_LAUNCH_S = H200_COPIES.loc[(0.5, "warm"), "median_s"] - H200_COPIES.loc[(0.5, "cold"), "median_s"]
+COPY_S = {"warm": 3.0e-6,  # the GPU's own time for a 0.25 MB copy: from L2 (assumed, below the cold one) ...
+          "cold": H200_COPIES.loc[(0.5, "cold"), "median_s"]}  # ... and from device memory, as the H200 timed it
 FLUSH_S = 2**28 / 4.2e12
-MATMUL_LAUNCH_S = 0.581e-3 / 20
+H200_SYNC = pd.read_csv(H200_RUN / "h200_2026-11-28_quick_01_sync.csv").set_index("label")
+MATMUL_LAUNCH_S = H200_SYNC.loc["no synchronize", "median_s"] / 20
 FP32_FLOPS = 50e12  # an H200's fp32 matmuls without TF32 (its ceiling: 51.9 TFLOP/s, lesson 09's H200 rows)
 SMALL_OP_S = 6e-6
 
@@ -323,7 +328,7 @@ def test_the_text_says_the_copies_are_queued_behind_a_spin_and_what_each_way_mea
 # ----- the vector add: below the ceiling, beside the copy -----------------------------------------------------------------
 
 H200_PEAK_GBS = 4814.0  # device memory's theoretical bandwidth, as lesson 01 printed it on the H200 (6016-bit, 3.2 GHz)
-H200_GBS = {"copy": 4125.8, "PyTorch x + y": 4286.4, "Triton": 4259.9, "CUDA C": 3413.6}  # its quick run's medians
+H200_GBS = pd.read_csv(H200_RUN / "h200_2026-11-28_quick_01_vector_add.csv").set_index("label")["gb_per_s"].to_dict()
 
 
 def h200_timings(scope: dict):
