@@ -3,6 +3,7 @@ figures come from gpulab.datasheets (this card's own entry, with its source), th
 L2 cache in every mode, and each row of a GPU measurement carries the GPU's state over that measurement."""
 
 import ast
+import statistics
 import types
 from pathlib import Path
 
@@ -17,11 +18,10 @@ from gpulab import Comparison, datasheets, flops, plots, precision
 from gpulab.conditions import Conditions
 from gpulab.timing import Measurement
 
-from .test_mfu_lessons_03_04 import code
+from .test_mfu_lessons_03_04 import ALL, code, gpu_ceilings, lesson04, lesson_env, run, tf32_gpu  # noqa: F401
 from .test_notebooks_00_04_gpu_path import function_source
 
 H200_ROWS = Path(__file__).parent / "data" / "lesson04" / "h200_quick_04_matmul_precision.csv"
-ALL = ["fp32", "tf32", "fp16", "bf16"]
 GPU = torch.device("cuda")  # a CUDA device: gpulab.on_gpu says yes to it, and nothing here runs on it
 
 
@@ -58,12 +58,16 @@ def test_the_roofline_draws_each_cards_own_dense_datasheet_peaks(quiet_plots):
         assert all(kwargs["peaks"][p] < kwargs["datasheet"][p] for p in ALL)
 
 
-def matmul_table_cell(name: str, rows: pd.DataFrame, capsys) -> tuple[dict, str]:
-    """Lesson 04's roofline-and-table cell, run as on a CUDA device called ``name`` with ``rows`` measured."""
+def matmul_table_cell(name: str, rows: pd.DataFrame, capsys, over_fp32=None) -> tuple[dict, str]:
+    """Lesson 04's roofline-and-table cell, run as on a CUDA device called ``name`` with ``rows`` measured and the
+    comparisons ``over_fp32`` (by default each precision twice as fast as fp32)."""
     sweep = rows[rows["kind"] == "matmul"].astype({"n": int})
+    over_fp32 = over_fp32 or {p: Comparison.of([2.0] * 5, [1.0] * 5, labels=("fp32", p)) for p in ALL[1:]}
     scope = {"pd": pd, "plots": plots, "datasheets": datasheets, "precision": precision, "device": GPU, "gpulab": gpulab,
              "info": types.SimpleNamespace(name=name), "matmuls": rows, "sweep": sweep, "sizes": sorted(set(sweep["n"])),
-             "precisions": ALL, "over_fp32": {p: Comparison.of([2.0] * 5, [1.0] * 5, labels=("fp32", p)) for p in ALL[1:]}}
+             "precisions": ALL, "over_fp32": over_fp32}
+    scope["statistics"] = statistics
+    exec(compile(function_source("04", "paired_median_s"), "<lesson 04: paired_median_s>", "exec"), scope)
     capsys.readouterr()
     exec(compile(code("04", "def roofline("), "<lesson 04: roofline and table>", "exec"), scope)
     return scope, capsys.readouterr().out
@@ -175,3 +179,70 @@ def test_each_matmul_row_carries_the_gpu_state_of_its_own_measurement(quiet_plot
     assert (swept["sm_clock_mhz"] == 1000.0 + swept["n"]).all()
     assert rows.loc[rows["kind"] == "copy", "sm_clock_mhz"].tolist() == [999.0]
     assert rows.loc[rows["kind"] == "speedup over fp32", "sm_clock_mhz"].tolist() == [777.0]
+
+
+# ----- the figures beside each verdict come from the pairs the verdict comes from (the H200's smoke run, 2026-11-28) --
+
+H200_RUN = Path(__file__).parent / "data" / "lesson04"
+
+
+def h200_2026_11_28(name: str) -> pd.DataFrame:
+    return pd.read_csv(H200_RUN / f"h200_2026-11-28_quick_{name}.csv")
+
+
+def h200_pairs(baseline_s: float, row) -> Comparison:
+    """Five interleaved pairs as the H200 measured them: fp32 at ``baseline_s`` beside a candidate whose ratios span
+    the row's interval around its median speed-up (so the interval and the verdict are the run's own)."""
+    ratios = [row.speedup_low, row.speedup_low, row.speedup, row.speedup_high, row.speedup_high]
+    return Comparison.of([baseline_s] * 5, [baseline_s / r for r in ratios], labels=("fp32", row.precision))
+
+
+def test_the_matmul_tables_throughput_is_the_one_its_speedup_and_verdict_come_from(quiet_plots, capsys):
+    """On the H200 at n = 128 the table showed tf32 at 0.225 TFLOP/s beside fp32's 0.290 (the sweep, one timing per
+    size, apart) and, in the same row, tf32 1.25× faster than fp32 beyond the noise (interleaved pairs); the text said
+    tf32 was the fastest. Each precision's throughput is now its median in the pairs its speed-up comes from."""
+    rows = h200_2026_11_28("04_matmul_precision")
+    speedups = rows[rows["kind"] == "speedup over fp32"]
+    fp32_s = rows.query("kind == 'matmul' and precision == 'fp32' and n == 128")["median_s"].iloc[0]
+    pairs = {row.precision: h200_pairs(fp32_s, row) for row in speedups.itertuples()}
+    assert {p: c.verdict for p, c in pairs.items()} == dict(zip(speedups["precision"], speedups["verdict"]))
+    scope, printed = matmul_table_cell("NVIDIA H200", rows, capsys, over_fp32=pairs)
+    table = scope["table"]
+    throughput = table.iloc[:, 0]  # the throughput at the largest size, the table's first column
+    for p, c in pairs.items():
+        assert throughput[p] / throughput["fp32"] == pytest.approx(statistics.median(c.ratios)), p
+    assert throughput["tf32"] > throughput["fp32"]  # tf32: 1.25× faster, beyond the noise, and shown faster
+    assert "'TFLOP/s at n=128 (pairs)': each precision's median product in its interleaved pairs" in printed
+
+
+def test_the_training_tables_step_times_and_mfu_are_those_of_the_pairs_beside_them(
+        lesson_env, gpu_ceilings, tf32_gpu, monkeypatch, capsys):  # noqa: F811 (fixtures)
+    """On the H200 the table and the text showed bf16 at 2.03 ms per step and fp32 at 1.98 ms (each benched apart) beside
+    "bf16 vs fp32: 0.79×, slower" (the pairs): 2 % apart in the figures, 21 % in the verdict. Each step's time and MFU
+    shown are now its median in the pairs its verdict comes from."""
+    benched = h200_2026_11_28("04_training_precision").set_index("precision")["median_s"].to_dict()
+    speedups = h200_2026_11_28("04_training_speedups").rename(columns={"candidate": "precision"})
+    pairs = {row.precision: h200_pairs(benched["fp32"], row) for row in speedups.itertuples()}
+
+    monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kwargs: Measurement(
+        label, (benched[label.split()[0]],) * 3, "cuda:0", 1))
+
+    def compare(baseline, candidate, *, labels, **kwargs):
+        baseline(), candidate()
+        return pairs[labels[1]]
+
+    monkeypatch.setattr(gpulab, "compare", compare)
+    scope = lesson04(monkeypatch, ALL)
+    scope["steps"] = 3  # a few training steps per precision: the times are the H200's
+    run(scope, "04", 'ResultLog("04_training_precision")')
+    shown = scope["steps_shown"]
+    for p, c in pairs.items():
+        assert shown.loc["fp32", "ms per step"] / shown.loc[p, "ms per step"] == pytest.approx(c.speedup), p
+        assert shown.loc[p, "mfu"] == pytest.approx(scope["step_mfu"](p, shown.loc[p, "ms per step"] / 1e3).mfu)
+    assert shown.loc["bf16", "ms per step"] > 1.2 * shown.loc["fp32", "ms per step"]  # 0.79×: slower, and shown so
+    assert scope["log"].frame().set_index("precision")["median_s"].to_dict() == pytest.approx(benched)  # logged: benches
+    capsys.readouterr()
+    run(scope, "04", "Each step's MFU")
+    printed = capsys.readouterr().out
+    bf16 = next(line for line in printed.splitlines() if line.startswith("  bf16: "))
+    assert bf16.startswith(f"  bf16: {benched['fp32'] / pairs['bf16'].speedup * 1e3:.3g} ms per step")
