@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+import gpulab
 from gpulab import capstone
 from gpulab.questions import lesson06, lesson08
 from gpulab.results import results_dir
@@ -38,7 +39,7 @@ CHECKS = {  # name: (question, {answer: function})
     "06q3": (lesson06.q3, {"shown solution": lambda: lesson06.q3.shown("fast_epoch", torch=torch, F=F),
                            "baseline": lambda: slow_epoch_as_answer}),
     "08q1": (lesson08.q1, {"shown solution": lambda: lesson08.q1.shown("fast_train", torch=torch, F=F,
-                                                                         capstone=capstone),
+                                                                         capstone=capstone, gpulab=gpulab),
                            "baseline": lambda: slow_train_as_answer}),
 }
 

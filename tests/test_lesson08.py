@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpulab
 from gpulab import capstone, models
 from gpulab.check import Wrong
 from gpulab.questions import lesson08
 from gpulab.questions.timed_check import Trial
 
 from .conftest import ROOT, shown_solution
+from .test_lesson08_answers import ReplayedStep
 
 
 def judged(answer):
@@ -124,6 +126,72 @@ def test_the_watch_counts_training_samples_and_marks_each_epoch():
     assert facts["samples"] == 3 * 64 and facts["forwards"] == facts["backwards"] == 9
     assert [m["epoch"] for m in events.marks] == [1, 2] and facts["epochs_seen"] == 3
     assert facts["weight_dtypes"] == ["float32"] and len(model._forward_pre_hooks) == 0  # hooks removed
+
+
+def batches_of(n_batches, b=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 3, 32, 32, generator=gen), torch.randint(0, 10, (b,), generator=gen))
+            for _ in range(n_batches)]
+
+
+def train_eager(model, batches):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def train_replayed(model, batches):
+    """As lesson 08's CUDA-graph step: one eager step (SGD makes its momentum buffers), one captured, the rest replayed
+    from static inputs."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    static_x, static_y = batches[1][0].clone(), batches[1][1].clone()
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step(*batches[0])
+    graph = ReplayedStep()
+    with graph:
+        step(static_x, static_y)
+    for x, y in batches[2:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+
+
+def test_the_cpu_stand_in_for_a_replayed_graph_trains_as_the_eager_steps_do():
+    """What the next test rests on: replaying the recorded operators is training, step for step."""
+    batches = batches_of(6)
+    eager, replayed = models.SpeedrunNet(capstone.SIZES.widths), models.SpeedrunNet(capstone.SIZES.widths)
+    train_eager(eager, batches)
+    train_replayed(replayed, batches)
+    for (name, a), b in zip(eager.state_dict().items(), replayed.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), name
+
+
+def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it():
+    """The 2026-11-28 review: the watch counted in Python hooks, which a CUDA graph's replay never runs, so an answer
+    that captures its step (as lesson 08 teaches) was told it trained on a few batches. The counts now live on the
+    device, kept by kernels of the step itself."""
+    class Events:
+        marks = []
+
+        def mark(self, **info):
+            self.marks.append(info)
+
+    model = models.SpeedrunNet(capstone.SIZES.widths)
+    watch = lesson08.TrainingWatch(model, n_train=64, events=Events(), device=torch.device("cpu"))
+    batches = batches_of(12)  # 3 epochs of 64: 12 steps of 16
+    train_replayed(model, batches)
+    facts = watch.facts()
+    assert facts["samples"] == 12 * 16 and facts["forwards"] == facts["backwards"] == 12, facts
+    for i, (x, _) in enumerate(batches):  # each batch's first two inputs, the replayed ones too, in the ring
+        assert torch.equal(watch.inputs[2 * i:2 * i + 2], x[:2]), i
+    assert facts["weight_dtypes"] == ["float32"] and facts["augmentation"]["inputs"] == 2 * 12
 
 
 # ----- the decisions, on injected trials ----------------------------------------------------------------------
@@ -311,7 +379,7 @@ def the_baseline_with_every_trick(model, data, *, epochs, device):
 
 def test_the_shown_solution_passes_a_real_check(monkeypatch):
     monkeypatch.setitem(lesson08.THRESHOLDS, "cpu", 0.25)  # the decision is tested above; this checks the pipeline
-    solution = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone)
+    solution = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
     result = judged(solution)
     assert result.status == "correct", result.message
     assert "steady-state speed-up" in result.message and "every image trained on" in result.message

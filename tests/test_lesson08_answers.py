@@ -5,7 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import gpulab
 from gpulab import capstone, models
 from gpulab.check import Wrong
 from gpulab.questions import lesson08
@@ -14,7 +17,7 @@ from gpulab.questions.timed_check import Duel
 
 from .conftest import shown_solution
 
-fast_train = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone)
+fast_train = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
 
 
 def answer_trials(answer, seeds=(11,)):
@@ -78,6 +81,74 @@ def test_the_shown_solution_and_an_unusual_right_answer_train_as_asked():
         assert trial.report["samples"] == lesson08.SIZES["epochs"] * lesson08.SIZES["n_train"]
         assert trial.report["accuracy"] > 0.6  # each epoch after the first is marked where it starts
         assert [m["epoch"] for _, m in trial.marks] == list(range(1, lesson08.SIZES["epochs"]))
+
+
+class ReplayedStep(TorchDispatchMode):
+    """A CPU stand-in for a training step captured in a CUDA graph and replayed: ``with graph:`` runs the step once and
+    records every operator it ran, with its tensors; ``replay()`` runs those operators again on the same tensors, each
+    result written where the recorded one is (a graph's static memory), and nothing else: no Python of the step, no
+    hook, only the "kernels" (as torch.cuda.CUDAGraph.replay does). Unlike a GPU's capture, the recording run trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self):
+        with torch.no_grad():
+            for func, args, kwargs, out in self.calls:
+                for kept, fresh in zip(tree_leaves(out), tree_leaves(func(*args, **kwargs))):
+                    if isinstance(kept, torch.Tensor) and kept.data_ptr() != fresh.data_ptr():  # else a view or
+                        kept.copy_(fresh)  # an in-place result: already there
+
+
+def replayed_like_a_cuda_graph(model, data, *, epochs, device):
+    """The job as lesson 08's CUDA-graph step runs it: an eager warm-up step (SGD makes its momentum buffers), one step
+    captured, then each later batch copied into the captured step's inputs and the step replayed, which runs no Python
+    (on a CPU: ``ReplayedStep``). Right, and counted as such: every image, every epoch, crops and flips seen."""
+    images, labels = F.pad(data.train_images, (4, 4, 4, 4)).to(device), data.train_labels.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=capstone.SIZES.lr, momentum=capstone.MOMENTUM, nesterov=True,
+                                weight_decay=capstone.WEIGHT_DECAY)
+    n, b = len(labels), capstone.SIZES.batch
+    pixels, channels = torch.arange(32, device=device), torch.arange(3, device=device)[None, :, None, None]
+
+    def batches():
+        for index in torch.randperm(n, device=device)[: n // b * b].view(-1, b):
+            dy, dx = torch.randint(0, 9, (2, b, 1), device=device)
+            cols = torch.where(torch.rand(b, 1, device=device) < 0.5, 31 - pixels, pixels) + dx
+            x = images[index[:, None, None, None], channels, (pixels + dy)[:, None, :, None], cols[:, None, None, :]]
+            yield capstone.normalize(x, data.mean, data.std), labels[index]
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y, label_smoothing=capstone.LABEL_SMOOTHING)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    feed = (batch for _ in range(epochs) for batch in batches())
+    step(*next(feed))
+    static_x, static_y = (t.clone() for t in next(feed))
+    graph = ReplayedStep()
+    with graph:
+        step(static_x, static_y)
+    for x, y in feed:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+
+
+def test_an_answer_that_replays_its_step_without_python_is_counted_whole():
+    """The 2026-11-28 review: the check counted with Python hooks, which a replayed CUDA graph never runs, so such an
+    answer (as lesson 08 teaches) was told it fed the model a few batches. Its step's own kernels count now."""
+    (trial,) = answer_trials(replayed_like_a_cuda_graph)
+    n, epochs = lesson08.SIZES["n_train"], lesson08.SIZES["epochs"]
+    assert trial.report["samples"] == epochs * (n // capstone.SIZES.batch * capstone.SIZES.batch)
+    assert trial.report["backwards"] == trial.report["forwards"] == epochs * (n // capstone.SIZES.batch)
+    assert trial.marks == []  # its epochs leave no marks: the check times its whole run
 
 
 def a_swapped_activation(model, data, *, epochs, device):
