@@ -12,12 +12,15 @@ import sys
 import warnings
 
 import matplotlib.pyplot as plt
+import nbformat
 import pytest
 import torch
 
 import gpulab
 from gpulab import traces
+from gpulab.timing import Measurement
 
+from .conftest import ROOT
 from .test_lesson06_h200_traces import SLOW
 from .test_mfu_lessons_03_04 import code
 
@@ -113,3 +116,43 @@ def test_nsight_compute_profiles_one_kernel_where_ncu_is_installed(lesson, tmp_p
     assert f"Nsight Compute (ncu): {ncu}" in said
     assert f"==PROF== fake ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight {sys.executable} {script}" in said
     assert "torch.randn(2**24, device='cuda')" in script.read_text()
+
+
+# ----- every profiler schedule records once and exports what it recorded -------------------------------------------
+
+MY_NOTEBOOKS = [p for folder in ("notebooks", "solutions") for p in sorted((ROOT / folder).glob("0[2467]_*.ipynb"))]
+
+
+def profiler_calls(source: str):
+    """Each ``profile(...)`` call of ``source`` with the ``schedule(...)`` call passed to it (None without one)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "profile":
+            plan = next((k.value for k in node.keywords if k.arg == "schedule"), None)
+            yield node, plan
+
+
+@pytest.mark.parametrize("path", MY_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_profiler_schedule_records_one_cycle_and_exports_it_when_it_is_ready(path):
+    """torch.profiler.schedule's default repeat=0 starts a new cycle after the recorded steps, so an export after the
+    `with` block holds that new, empty one (the H200's NoDeviceEvents in lesson 02, 2026-11-28): a schedule here
+    records once (repeat=1) and the trace is exported in on_trace_ready, when the recorded cycle is ready."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    for source in cells:
+        for call, plan in profiler_calls(source.replace("%%writefile", "# %%writefile")):
+            if plan is None:
+                continue
+            assert isinstance(plan, ast.Call), f"{path.name}: {ast.unparse(call)}"
+            repeat = next((k.value for k in plan.keywords if k.arg == "repeat"), None)
+            assert isinstance(repeat, ast.Constant) and repeat.value >= 1, f"{path.name}: {ast.unparse(plan)}"
+            assert any(k.arg == "on_trace_ready" for k in call.keywords), f"{path.name}: {ast.unparse(call)}"
+
+
+def test_the_slow_loops_profile_exports_its_two_recorded_steps(lesson, monkeypatch):
+    """Cell 6 on a GPU's path: the trace written by on_trace_ready holds the two recorded steps (a CPU's trace here:
+    the same schedule, export and steps). The slow loop's timing before it answers at once."""
+    monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kwargs: Measurement(label, (0.1,) * 3, "cpu", 1))
+    run(lesson, "n_images = batch_size * (steps + 1)")
+    source = code("06", "def save_trace(prof):")
+    exec(compile(source, "<lesson 06: the slow loop profiled>", "exec"), lesson)
+    steps = traces.steps(traces.load_trace(lesson["slow_trace"]))
+    assert len(steps) == 2
