@@ -20,6 +20,8 @@ While installed:
 - ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so (so do ``torch.empty``, ``zeros`` and
   ``ones`` with ``pin_memory=True``); ``record_stream`` takes a stream; a ``DataLoader`` with ``pin_memory=True``
   warns and pins nothing (it asks ``torch.accelerator``, which the stand-in leaves as the machine has it);
+- NVML answers for the same card through nvidia-ml-py's real wrappers (``tests/fake_libnvml.py``; ``StandIn.nvml`` is
+  that card, whose readings a test sets);
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
   replay a graph, and a test must not pretend it did.
 
@@ -43,6 +45,8 @@ import gpulab.device
 from gpulab import nvml
 from gpulab.memory import MemoryTracker
 
+from . import fake_libnvml
+
 SEGMENT = 2 * 2**20  # the caching allocator reserves memory in segments of 2 MiB (large blocks)
 
 
@@ -60,9 +64,9 @@ class Card:
     total_memory: int  # bytes, as CUDA reports them (NVML's total is larger: the driver keeps some)
     multi_processor_count: int
     L2_cache_size: int  # bytes
-    pci_bus_id: int = 6
+    pci_bus_id: int = 0  # 00000000:00:06.0, as on the 2026-11-28 H200: NVML finds the card by this address
     pci_domain_id: int = 0
-    pci_device_id: int = 0
+    pci_device_id: int = 6
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
     is_integrated: int = 0
     is_multi_gpu_board: int = 0
@@ -77,6 +81,9 @@ CARDS = {card.name: card for card in (
     Card("NVIDIA H100 80GB HBM3", 9, 0, 84_930_000_000, 132, 50 * 2**20),
     Card("Tesla T4", 7, 5, 15_830_000_000, 40, 4 * 2**20),
 )}
+
+
+NVML_CARDS = {"NVIDIA H200": fake_libnvml.h200, "NVIDIA H100 80GB HBM3": fake_libnvml.h100, "Tesla T4": fake_libnvml.t4}
 
 
 class HostEvent:
@@ -142,6 +149,7 @@ class StandIn:
     """The installed stand-in: the card it plays and what its allocator has counted."""
 
     card: Card
+    nvml: object = None  # the card the fake libnvidia-ml plays (tests/fake_libnvml.py)
     tracker: MemoryTracker = field(default_factory=MemoryTracker)
     reserved: int = 0
     reserved_peak: int = 0
@@ -306,6 +314,8 @@ def installed(card: str = "NVIDIA H200"):
         stack.enter_context(mock.patch.object(gpulab.device, "STAND_IN", card))
         stack.callback(_forget_device_facts)
         _forget_device_facts()
+        address = f"{gpu.card.pci_domain_id:08X}:{gpu.card.pci_bus_id:02X}:{gpu.card.pci_device_id:02X}.0"
+        gpu.nvml = stack.enter_context(fake_libnvml.installed(NVML_CARDS[card](pci_bus_id=address))).cards[0]
         stack.enter_context(gpu.tracker)
         yield gpu
 

@@ -101,6 +101,11 @@ def h200(**readings) -> Card:
     return Card("NVIDIA H200", 143771, 700.0, 1980, 3201, (5, 16), "580.159.04", 13000, True, **readings)
 
 
+def h100(**readings) -> Card:
+    """An H100 SXM (80 GB HBM3), with GPM."""
+    return Card("NVIDIA H100 80GB HBM3", 81559, 700.0, 1980, 2619, (5, 16), "580.159.04", 13000, True, **readings)
+
+
 def t4(**readings) -> Card:
     """A Colab T4 (driver 550.54.15, CUDA 12.4): a card before Hopper, without GPM."""
     return Card("Tesla T4", 15360, 70.0, 1590, 5001, (3, 16), "550.54.15", 12040, False,

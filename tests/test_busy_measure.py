@@ -50,11 +50,12 @@ def test_the_profiler_records_kernels_only_where_a_gpu_runs_the_work():
 
 
 
-def test_under_the_cuda_stand_in_the_gpu_branch_runs_to_its_nvml_readings(cuda_stand_in, monkeypatch):
-    """On a GPU, measure reads NVML over about a second of unprofiled steps after the trace: that branch runs here."""
-    asked = []
-    monkeypatch.setattr(busy, "_nvml_readings", lambda step, device, seconds: asked.append(seconds) or (0.5, 0.25))
-    measured = busy.measure(a_step(), label="played", steps=2, warmup=1, nvml_seconds=0.1)
-    assert asked == [0.1] and measured.steps == 2
-    assert measured.nvml_util == 0.5 and measured.sm_activity == 0.25 and math.isnan(measured.kernel_share)
+def test_under_the_cuda_stand_in_the_gpu_branch_reads_nvml_over_unprofiled_steps(cuda_stand_in):
+    """On a GPU, measure reads NVML's utilisation and GPM's SM activity over about a second of unprofiled steps after
+    the trace: that branch runs here, through nvidia-ml-py's real wrappers (the values are the fake card's)."""
+    cuda_stand_in.nvml.gpu_util_pct, cuda_stand_in.nvml.sm_activity_pct = 87, 61.5
+    measured = busy.measure(a_step(), label="played", steps=2, warmup=1, nvml_seconds=0.25)
+    assert measured.steps == 2 and math.isnan(measured.kernel_share)
+    assert measured.nvml_util == 0.87 and measured.sm_activity == 0.615
     assert "no GPU kernels" in measured.note and "NVML" not in measured.note
+    assert str(measured).startswith("played: 2 profiled steps of ")

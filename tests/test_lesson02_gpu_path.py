@@ -33,10 +33,10 @@ def run(scope: dict, *markers: str) -> dict:
 
 
 @pytest.fixture
-def lesson(fake_nvml_card, cuda_stand_in, monkeypatch, results_dir):
-    """The notebook's globals after its imports, on the CPU playing an H200 (NVML's answers from the fake libnvidia-ml
-    of an H200: 97 % utilisation, 80 % SM activity), in quick mode; figures not shown and tables kept in ``shown``."""
-    fake_nvml_card.gpu_util_pct, fake_nvml_card.sm_activity_pct = 97, 80.0
+def lesson(cuda_stand_in, monkeypatch, results_dir):
+    """The notebook's globals after its imports, on the CPU playing an H200 (NVML's answers from the stand-in's fake
+    libnvidia-ml: 97 % utilisation, 80 % SM activity), in quick mode; figures not shown and tables kept in ``shown``."""
+    cuda_stand_in.nvml.gpu_util_pct, cuda_stand_in.nvml.sm_activity_pct = 97, 80.0
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, "from gpulab.transfers import")

@@ -99,3 +99,11 @@ def test_sync_waits_for_the_gpu_only_where_there_is_one(course_device, monkeypat
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
     gpulab.sync(course_device)
     assert waited == ([course_device] if gpulab.on_gpu(course_device) else [])
+
+
+def test_under_the_stand_in_nvml_answers_for_the_same_card(cuda_stand_in):
+    info = device_info()
+    assert info.driver_version == "580.159.04" and str(info.pcie).startswith("Gen5 x16")
+    cuda_stand_in.nvml.pcie_now = (4, 8)  # the link now, as NVML reads it: a card that found a slower slot
+    device_info.cache_clear()
+    assert "now Gen4 x8" in str(device_info().pcie)
