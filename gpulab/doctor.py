@@ -245,38 +245,41 @@ def _nvidia_ml_py() -> str:
 
 
 def _gpu_health(nv, index: int) -> list[Finding]:
-    h = nv.nvmlDeviceGetHandleByIndex(index)
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError as err:  # a container may be refused one GPU (NO_PERMISSION) and granted the others
+        return [Finding(f"GPU {index}", Severity.WARNING, f"NVML refused to read this GPU ({err})",
+                        "in a container, start it with the NVIDIA Container Toolkit and this GPU among its devices")]
     name = nvml.query(nv, nv.nvmlDeviceGetName, h, default="GPU")
     name = name.decode() if isinstance(name, bytes) else name
     tag = f"GPU {index} ({name})"
-    findings = []
     temp = nvml.query(nv, nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
     sm = nvml.query(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
     sm_max = nvml.query(nv, nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
-    findings.append(Finding(f"{tag} clocks", Severity.OK, f"SM clock {sm} of {sm_max} MHz, {temp} °C"))
-    findings.append(_throttling(nv, h, tag))
-    findings.append(_other_processes(nv, h, tag))
-    return findings
+    clocks = (f"SM clock {_or_unknown(sm)} of {_or_unknown(sm_max)} MHz, "
+              f"{'temperature unknown' if temp is None else f'{temp} °C'}")
+    return [Finding(f"{tag} clocks", Severity.OK, clocks), _throttling(nv, h, tag), _other_processes(nv, h, tag)]
 
 
-_THROTTLE_REASONS = {  # NVML's name for the reason -> what it means
-    "HwSlowdown": "hardware slowdown (overheating or power brake)",
-    "HwThermalSlowdown": "hardware thermal slowdown",
-    "HwPowerBrakeSlowdown": "external power brake",
-    "SwThermalSlowdown": "software thermal slowdown",
-    "SwPowerCap": "power cap reached",
+def _or_unknown(value) -> str:
+    return "unknown" if value is None else str(value)
+
+
+# NVML's reasons (gpulab.nvml's names) that slow the clocks for heat or power, and what each means
+_SLOWED = {
+    "HW slowdown": "hardware slowdown (overheating or power brake)",
+    "HW thermal slowdown": "hardware thermal slowdown",
+    "power brake": "external power brake",
+    "SW thermal slowdown": "software thermal slowdown",
+    "SW power cap": "power cap reached",
 }
 
 
 def _throttling(nv, h, tag) -> Finding:
-    query = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
-    reasons = nvml.query(nv, query, h)
-    if reasons is None:
+    bits = nvml.reason_bits(nv, h)
+    if bits is None:
         return Finding(f"{tag} throttling", Severity.OK, "not reported by this driver")
-    active = [
-        text for key, text in _THROTTLE_REASONS.items()
-        if reasons & (getattr(nv, f"nvmlClocksEventReason{key}", None) or getattr(nv, f"nvmlClocksThrottleReason{key}", 0))
-    ]
+    active = [_SLOWED[name] for name in nvml.decode_reasons(bits) if name in _SLOWED]
     if active:
         return Finding(f"{tag} throttling", Severity.WARNING, "clocks held back: " + "; ".join(active),
                        "check cooling and power limits (nvidia-smi -q -d PERFORMANCE); do not benchmark while it lasts")

@@ -147,10 +147,14 @@ NOT_THROTTLING = 0x1 | 0x2
 
 def throttle_reasons(nv, handle) -> tuple[str, ...]:
     """Why the GPU's clocks are held down right now, as short names (``()`` when they are not, or NVML cannot say)."""
-    bits = read(nv, "nvmlDeviceGetCurrentClocksEventReasons", handle)  # the current name (driver 535+)
-    if bits is None:
-        bits = read(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-    return decode_reasons(bits or 0)
+    return decode_reasons(reason_bits(nv, handle) or 0)
+
+
+def reason_bits(nv, handle) -> int | None:
+    """NVML's clock event reason bits now; None where neither the current query (driver 535+) nor its older name
+    answers."""
+    bits = read(nv, "nvmlDeviceGetCurrentClocksEventReasons", handle)
+    return read(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", handle) if bits is None else bits
 
 
 def decode_reasons(bits: int) -> tuple[str, ...]:

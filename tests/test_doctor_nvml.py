@@ -5,6 +5,7 @@ which was installed."""
 import os
 import sys
 
+import pynvml
 import pytest
 import torch
 
@@ -83,3 +84,25 @@ def test_the_newest_cuda_the_driver_supports(card, cuda):
         assert doctor._driver_cuda_version() == cuda
     with fake_libnvml.absent():
         assert doctor._driver_cuda_version() is None
+
+
+def test_a_gpu_nvml_refuses_is_a_warning_and_the_others_are_still_read():
+    refused = fake_libnvml.h200(errors={"nvmlDeviceGetHandleByIndex_v2": pynvml.NVML_ERROR_NO_PERMISSION})
+    with fake_libnvml.installed(refused, fake_libnvml.t4(pci_bus_id="00000000:00:07.0")):
+        findings = {f.check: f for f in doctor._nvml_findings()}
+    assert findings["GPU 0"].severity == Severity.WARNING and "refused" in findings["GPU 0"].summary
+    assert findings["GPU 1 (Tesla T4) throttling"].summary == "no thermal or power throttling"
+
+
+def test_an_older_driver_answers_the_throttle_reasons_by_their_former_name():
+    card = fake_libnvml.t4(reasons=fake_libnvml.SW_POWER_CAP)
+    with fake_libnvml.installed(card, missing=("nvmlDeviceGetCurrentClocksEventReasons",)):
+        findings = {f.check: f for f in doctor._nvml_findings()}
+    assert findings["GPU 0 (Tesla T4) throttling"].summary == "clocks held back: power cap reached"
+
+
+def test_readings_a_gpu_does_not_support_are_said_unknown():
+    unsupported = dict.fromkeys(("nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo"), pynvml.NVML_ERROR_NOT_SUPPORTED)
+    with fake_libnvml.installed(fake_libnvml.t4(errors=unsupported)):
+        findings = {f.check: f for f in doctor._nvml_findings()}
+    assert findings["GPU 0 (Tesla T4) clocks"].summary == "SM clock unknown of 1590 MHz, temperature unknown"
