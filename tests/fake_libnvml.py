@@ -49,6 +49,7 @@ PROTOTYPES = {  # nvml.h's parameters of every function the course's wrappers ca
     "nvmlDeviceGetViolationStatus": (DEVICE, c_uint, POINTER(nv.c_nvmlViolationTime_t)),
     "nvmlDeviceGetUtilizationRates": (DEVICE, POINTER(nv.c_nvmlUtilization_t)),
     "nvmlDeviceGetMemoryInfo": (DEVICE, POINTER(nv.c_nvmlMemory_t)),
+    "nvmlDeviceGetMemoryInfo_v2": (DEVICE, POINTER(nv.c_nvmlMemory_v2_t)),
     "nvmlDeviceGetPowerUsage": (DEVICE, UINT),
     "nvmlDeviceGetEnforcedPowerLimit": (DEVICE, UINT),
     "nvmlDeviceGetComputeRunningProcesses_v3": (DEVICE, UINT, POINTER(nv.c_nvmlProcessInfo_v3_t)),
@@ -81,7 +82,8 @@ class Card:
     sm_clock_mhz: int | None = None  # None: the maximum
     gpu_util_pct: int = 0
     memory_util_pct: int = 0
-    memory_used_bytes: int = 0
+    memory_used_bytes: int = 0  # what processes allocated
+    reserved_mib: int = 0  # what the driver keeps (nvmlMemory_v2_t.reserved; version 1 counts it as used)
     power_w: float = 0.0
     temp_c: int = 35
     reasons: int = IDLE  # clock event reason bits
@@ -245,8 +247,17 @@ class FakeLibrary:
 
     def _nvmlDeviceGetMemoryInfo(self, handle, out):
         card = self._card(handle, "nvmlDeviceGetMemoryInfo")
-        total = card.memory_total_mib * 2**20
-        _fill(out, total=total, used=card.memory_used_bytes, free=total - card.memory_used_bytes)
+        total, used = card.memory_total_mib * 2**20, card.memory_used_bytes + card.reserved_mib * 2**20
+        _fill(out, total=total, used=used, free=total - used)
+
+    def _nvmlDeviceGetMemoryInfo_v2(self, handle, out):
+        """nvml.h: the caller sets the struct's ``version`` to ``nvmlMemory_v2``; the driver's reserve apart."""
+        card = self._card(handle, "nvmlDeviceGetMemoryInfo_v2")
+        if out.contents.version != nv.nvmlMemory_v2:
+            raise _Return(nv.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        total, reserved = card.memory_total_mib * 2**20, card.reserved_mib * 2**20
+        _fill(out, total=total, reserved=reserved, used=card.memory_used_bytes,
+              free=total - reserved - card.memory_used_bytes)
 
     def _nvmlDeviceGetPowerUsage(self, handle, out):
         _write(out, round(self._card(handle, "nvmlDeviceGetPowerUsage").power_w * 1000))  # milliwatts

@@ -56,6 +56,20 @@ SURFACE = (
             "cudaEventRecord/cudaEventElapsedTime through torch/cuda/streams.py (Event): GPU-side timestamps about "
             "0.5 µs apart; the stand-in's events read the host clock",
             "lesson 01: launch overhead, warm and cold copies, the sync-in-a-loop demo"),
+    GpuOnly("A queue held busy while an event is recorded (so an event times the work, not its launch)",
+            ("torch.cuda._sleep",),
+            "torch/cuda/__init__.py _sleep and aten/src/ATen/cuda/Sleep.cu spin_kernel (one thread spins on clock64 "
+            "on the current stream); an event is stamped when the stream reaches it (torch/cuda/streams.py, Event)",
+            "lesson 01: warm copies no slower than cold ones at every size"),
+    GpuOnly("Device memory's theoretical bandwidth, the vector add's ceiling",
+            ("memory_clock_rate", "memory_bus_width"),
+            "_CudaDeviceProperties (torch/csrc/cuda/Module.cpp): the memory clock and bus width (older torch lacks "
+            "them: no ceiling is shown there)",
+            "lesson 01: no share of the ceiling above 100 %"),
+    GpuOnly("NVML's memory total against CUDA's: the driver's reserve",
+            ("nvmlMemory_v2",),
+            "nvml.h nvmlDeviceGetMemoryInfo_v2 and nvmlMemory_v2_t.reserved, against cudaDeviceProp.totalGlobalMem",
+            "lesson 00: the gap between the two totals is the driver's reserve"),
     GpuOnly("Copies that overlap compute: pinned host memory, non_blocking copies, side streams",
             ("non_blocking=True", "torch.cuda.Stream(", "pin_memory"),
             "cudaMemcpyAsync from page-locked memory on a stream (torch/csrc/utils/tensor_new.cpp, "

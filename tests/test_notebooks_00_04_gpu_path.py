@@ -3,7 +3,6 @@ readers consistent, lesson 02's on-device pipeline copies nothing from the host 
 what gpulab.precision does."""
 
 import ast
-import ctypes
 import json
 import subprocess
 import sys
@@ -191,28 +190,6 @@ def test_the_count_catches_v2_normalize_copying_its_constants_every_call(on_devi
 
 # ---- lesson 00 on a GPU: the CUDA stand-in with the fake libnvidia-ml --------------------------------------------------
 
-def with_memory_info_v2(library, reserved_mib: int):
-    """NVML's memory query, version 2, added to the fake library (nvml.h: ``nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t,
-    nvmlMemory_v2_t *)``, the struct's ``version`` set by the caller to ``nvmlMemory_v2``): the card's total, the
-    driver's reserve, what processes allocated, and what is left."""
-    import pynvml as nv
-
-    from . import fake_libnvml
-
-    def body(handle, out):
-        card = library._card(handle, "nvmlDeviceGetMemoryInfo_v2")
-        if not out or out.contents.version != nv.nvmlMemory_v2:
-            raise fake_libnvml._Return(nv.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
-        total, reserved = card.memory_total_mib * 2**20, reserved_mib * 2**20
-        fake_libnvml._fill(out, total=total, reserved=reserved, used=card.memory_used_bytes,
-                           free=total - reserved - card.memory_used_bytes)
-
-    library._nvmlDeviceGetMemoryInfo_v2 = body
-    library._functions["nvmlDeviceGetMemoryInfo_v2"] = fake_libnvml.Function(
-        library, "nvmlDeviceGetMemoryInfo_v2", (fake_libnvml.DEVICE, ctypes.POINTER(nv.c_nvmlMemory_v2_t)))
-    return library
-
-
 def lesson_00_nvml_cell(capsys) -> str:
     """Lesson 00's NVML cell (section 4) on the CPU playing an H200, as it runs after section 3 found NVML."""
     import gpulab
@@ -233,8 +210,7 @@ def test_lesson_00_names_the_driver_reserve_between_nvmls_and_cudas_memory_total
     the card's whole memory, CUDA leaves out what the driver reserves (NVML's memory query version 2 names it)."""
     from . import fake_libnvml
 
-    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=3 * 10**9)) as library:
-        with_memory_info_v2(library, reserved_mib=H200_GAP_MIB)
+    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=3 * 10**9, reserved_mib=H200_GAP_MIB)):
         out = lesson_00_nvml_cell(capsys)
     assert "memory used 3.00 of 150.8 GB (and 0.64 GB reserved by the driver)" in out
     assert f"Two totals for one card: NVML's 150.75 GB, CUDA's 150.11 GB (section 1): NVML counts 0.64 GB " \
@@ -245,18 +221,18 @@ def test_lesson_00_names_the_driver_reserve_between_nvmls_and_cudas_memory_total
 def test_lesson_00_says_what_the_reserve_leaves_unexplained(cuda_stand_in, capsys):
     from . import fake_libnvml
 
-    with fake_libnvml.installed(fake_libnvml.h200()) as library:
-        with_memory_info_v2(library, reserved_mib=H200_GAP_MIB // 2)
+    with fake_libnvml.installed(fake_libnvml.h200(reserved_mib=H200_GAP_MIB // 2)):
         out = lesson_00_nvml_cell(capsys)
     assert f"The driver reserves 0.32 GB ({H200_GAP_MIB // 2} MiB) of the gap; the other 0.32 GB" in out
 
 
 def test_lesson_00_without_memory_info_v2_reads_version_1_and_says_the_gap_is_unnamed(cuda_stand_in, capsys):
-    """A driver without nvmlDeviceGetMemoryInfo_v2 (the fake library has only version 1): its `used` includes the
-    reserve, and the cell does not guess the gap's cause."""
+    """A driver without nvmlDeviceGetMemoryInfo_v2: version 1's `used` includes the reserve, and the cell does not
+    guess the gap's cause."""
     from . import fake_libnvml
 
-    with fake_libnvml.installed(fake_libnvml.h200(memory_used_bytes=3 * 10**9)):
+    card = fake_libnvml.h200(memory_used_bytes=3 * 10**9 - H200_GAP_MIB * 2**20, reserved_mib=H200_GAP_MIB)
+    with fake_libnvml.installed(card, missing=("nvmlDeviceGetMemoryInfo_v2",)):
         out = lesson_00_nvml_cell(capsys)
     assert "memory used 3.00 of 150.8 GB (the driver's reserve included)" in out
     assert "NVML counts 0.64 GB" in out and "cannot be named from here" in out
