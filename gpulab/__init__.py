@@ -30,7 +30,7 @@ def setup(seed: int = 0) -> torch.device:
     mode = "quick" if quick_mode() else "full"
     print(f"gpulab {__version__} | device: {device} ({info.name}) | mode: {mode}")
     print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | Python {platform.python_version()}")
-    if device.type == "cpu":
+    if not on_gpu(device):
         sizes = "small sizes, few repetitions" if mode == "quick" else "full sizes (GPULAB_QUICK=0): slow on a CPU"
         print(f"No GPU here: the lesson runs on the CPU in {mode} mode ({sizes}). Experiments that need a GPU say "
               "so, and show reference results measured on real GPUs where the course has them.")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import nvml
+from .device import DeviceError, get_device, on_gpu
 
 nan = math.nan
 POWER = ("SW power cap", "power brake", "board limit")  # held at the power limit: what dense work does
@@ -272,8 +273,6 @@ def _cuda_index(device) -> int | None:
     if isinstance(device, int):
         return device
     if device is None:
-        from .device import DeviceError, get_device
-
         try:
             device = get_device()
         except DeviceError:
@@ -282,7 +281,7 @@ def _cuda_index(device) -> int | None:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         return None
-    return (device.index or 0) if device.type == "cuda" else None
+    return (device.index or 0) if on_gpu(device) else None
 
 
 def _number(value) -> float:

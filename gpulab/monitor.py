@@ -27,6 +27,7 @@ import torch
 
 from . import nvml
 from .conditions import Conditions, cpu_cores, load_average, max_sm_clock_mhz, power_limit_w
+from .device import get_device, on_gpu
 
 COLUMNS = ("time_s", "phase", "gpu_util_pct", "mem_util_pct", "mem_used_gb", "power_w", "temp_c",
            "sm_clock_mhz", "throttle", "load_avg")
@@ -150,8 +151,6 @@ def _index(device) -> int:
     if isinstance(device, int):
         return device
     if device is None:
-        from .device import get_device
-
         device = get_device()
     device = torch.device(device)
-    return (device.index or 0) if device.type == "cuda" else 0
+    return (device.index or 0) if on_gpu(device) else 0

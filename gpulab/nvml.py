@@ -53,7 +53,7 @@ def available() -> tuple[bool, str]:
 def handle_for(nv, index: int = 0):
     """The NVML handle of torch's CUDA device ``index`` (matched by PCI bus id, as CUDA_VISIBLE_DEVICES may renumber
     devices); raises NvmlUnavailable where NVML has no such GPU."""
-    if torch.cuda.is_available() and index < torch.cuda.device_count():
+    if index < torch.cuda.device_count():  # 0 without CUDA
         props = torch.cuda.get_device_properties(index)
         bus = getattr(props, "pci_bus_id", None)
         if bus is not None:

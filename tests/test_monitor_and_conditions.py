@@ -407,3 +407,16 @@ def test_monitor_without_nvml_keeps_its_columns_and_has_no_caveats(without_pynvm
     assert capsys.readouterr().out.count("gpulab.monitor:") == 1
     assert monitor.frame().empty and list(monitor.frame().columns) == list(COLUMNS)
     assert monitor.caveats() == [] and monitor.caveats("phase") == []
+
+
+def test_the_machines_state_is_the_gpus_under_the_stand_in_and_the_cpus_alone_on_the_cpu(course_device):
+    """conditions asks gpulab.on_gpu which GPU to read: under the CUDA stand-in, the card its fake libnvidia-ml plays
+    (here held at its power limit), on the CPU no GPU at all."""
+    from gpulab import on_gpu
+
+    state = conditions.snapshot(course_device)
+    assert state.gpu is on_gpu(course_device)
+    if on_gpu(course_device):
+        assert state.sm_clock_max_mhz == 1980 and state.gpu_power_limit_w == 700
+    else:
+        assert math.isnan(state.sm_clock_mhz) and not state.throttle
