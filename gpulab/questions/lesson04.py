@@ -188,8 +188,8 @@ def _check_dtype_and_device(fn, make_args) -> None:
     """Autocast follows the requested dtype and device type: fp16 on the CPU, autocast for 'cuda' leaves CPU
     operations in fp32, and where a GPU exists fp16 on the GPU. ``make_args(device)``: fn's arguments there."""
     probes = [("cpu", torch.float16, torch.float16, "cpu"), ("cuda", torch.bfloat16, torch.float32, "cpu")]
-    if torch.cuda.is_available():
-        probes.append(("cuda", torch.float16, torch.float16, "cuda"))
+    if torch.cuda.is_available():  # the probe makes CUDA tensors: torch's question, not gpulab.on_gpu's (a stand-in's
+        probes.append(("cuda", torch.float16, torch.float16, "cuda"))  # tensors stay on the CPU)
     for device_type, dtype, expected, where in probes:
         _, seen, _, _ = _spied_run(fn, _small_model(where), *make_args(where), device_type=device_type, dtype=dtype)
         _check_autocast(seen, device_type, dtype, expected)
