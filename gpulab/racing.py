@@ -7,17 +7,20 @@ test accuracy, untimed, so that each run has a time to a target accuracy (as the
 only) beside its steady samples per second. The first round is start-up (cuDNN's search, compilation, capture).
 
 ``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
-beyond the noise and keeps the job's quality (``AccuracyTarget``: lesson 08's target accuracy; lesson 09 compares
-training losses); a step dropped for its speed is tried once more at the end when a later step was kept (a change can
-pay only once another bottleneck is gone), unless a later kept step has set the same switch (retrying it would undo
-that step).
+beyond the noise and keeps the job's quality (``SameJob``: lesson 08's judge, losses for a step that changes no
+arithmetic and accuracy against the seeds' spread for one that does; ``AccuracyTarget``: a target accuracy alone;
+lesson 09 compares training losses); a step dropped for its speed is tried once more at the end when a later step was
+kept (a change can pay only once another bottleneck is gone), unless a later kept step has set the same switch
+(retrying it would undo that step). ``Budget`` plans each race's seconds before it starts and refuses one that would
+not end in the time left.
 
 The techniques themselves are written out in the lesson's cells; this module only decides and records.
 """
 
 import math
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .comparison import Comparison
@@ -30,13 +33,14 @@ nan = math.nan
 
 @dataclass(frozen=True)
 class Run:
-    """One side of a race: the seconds of each round (the first with start-up) and the test accuracy after it (NaN
-    where it was not evaluated)."""
+    """One side of a race: the seconds of each round (the first with start-up), the test accuracy after it (NaN
+    where it was not evaluated) and what the round returned (``losses``: its training losses, step by step)."""
 
     label: str
     seconds: tuple[float, ...]
     accuracy: tuple[float, ...]
     samples_per_round: int
+    losses: tuple = ()
 
     @property
     def steady_s(self) -> float:
@@ -70,40 +74,66 @@ class Run:
 
 @dataclass(frozen=True)
 class Race:
-    """Two runs raced side by side, and the candidate's steady speed-up over the baseline (``comparison``)."""
+    """Two runs raced side by side, and the candidate's steady speed-up over the baseline (``comparison``).
+
+    ``same_arithmetic``: the candidate computes what the baseline does, only elsewhere or otherwise scheduled (data
+    placement, syncs, fused kernels, compilation, graphs), so that from the same seed it must give the same losses;
+    ``other_seed``: the baseline's configuration from another seed, its first round's losses (what a different
+    training looks like), the yardstick of that comparison."""
 
     comparison: Comparison
     baseline: Run
     candidate: Run
+    same_arithmetic: bool = False
+    other_seed: tuple = ()
 
 
 def race(baseline, candidate, *, rounds: int, samples_per_round: int, labels=("baseline", "candidate"),
          evaluate: tuple[Callable[[], float], Callable[[], float]] | None = None, evaluate_every: int = 1,
-         device=None) -> Race:
+         device=None, same_arithmetic: bool = False, other_seed: Sequence[float] = ()) -> Race:
     """Train ``baseline`` and ``candidate`` (iterators: ``next()`` trains one round, a fixed number of samples) for
     ``rounds`` rounds each, in alternating order, each round timed on a clock that waits for the GPU; after every
     ``evaluate_every``-th round (an epoch), ``evaluate[i]()`` (the test accuracy of that side's model) is called
     outside the timing. The comparison's pairs are the rounds after the first (start-up), and it carries the
     machine's state over the race. Rounds shorter than an epoch give a verdict within few epochs: a median's
-    interval needs five pairs or more."""
+    interval needs five pairs or more. What each ``next()`` returns (the round's training losses) is kept in the
+    runs' ``losses``; ``same_arithmetic`` and ``other_seed`` go into the ``Race`` for its judge."""
     if rounds < 2:
         raise ValueError(f"a race needs at least 2 rounds (the first is start-up), got {rounds!r}")
     device = get_device(device)
-    sides, seconds, accuracy = (baseline, candidate), ([], []), ([], [])
+    sides, seconds, accuracy, returned = (baseline, candidate), ([], []), ([], []), ([], [])
     with Watch(device) as watch:
         for k in range(rounds):
             for which in (0, 1) if k % 2 == 0 else (1, 0):
                 start = synced_clock(device)
-                next(sides[which])
+                out = next(sides[which])
                 seconds[which].append(synced_clock(device) - start)
+                returned[which].append(out)
                 evaluated = evaluate and (k + 1) % evaluate_every == 0
                 accuracy[which].append(evaluate[which]() if evaluated else nan)
-    runs = [Run(label, tuple(s), tuple(a), samples_per_round) for label, s, a in zip(labels, seconds, accuracy)]
+    runs = [Run(label, tuple(s), tuple(a), samples_per_round, tuple(r))
+            for label, s, a, r in zip(labels, seconds, accuracy, returned)]
     comparison = Comparison.of(runs[0].seconds[1:], runs[1].seconds[1:], labels=labels, conditions=watch.conditions)
-    return Race(comparison, *runs)
+    return Race(comparison, *runs, same_arithmetic=same_arithmetic, other_seed=tuple(other_seed))
+
+
+def alone(run, *, rounds: int, samples_per_round: int, label: str = "", evaluate: Callable[[], float] | None = None,
+          evaluate_every: int = 1, device=None) -> Run:
+    """Train one configuration (``run``: ``next()`` trains a round) for ``rounds`` rounds, each timed as ``race`` times
+    its sides, with ``evaluate()`` after every ``evaluate_every``-th round, untimed: a run that needs no rival (another
+    seed of a configuration, for the spread of its accuracy or what its first round's losses look like)."""
+    device = get_device(device)
+    seconds, accuracy, returned = [], [], []
+    for k in range(rounds):
+        start = synced_clock(device)
+        returned.append(next(run))
+        seconds.append(synced_clock(device) - start)
+        accuracy.append(evaluate() if evaluate and (k + 1) % evaluate_every == 0 else nan)
+    return Run(label, tuple(seconds), tuple(accuracy), samples_per_round, tuple(returned))
 
 
 KEPT, SLOWER_HERE, WITHIN_NOISE, MISSED_TARGET = "kept", "slower here", "within noise", "missed the target"
+LOSSES_DIFFER = "losses differ"
 
 
 @dataclass
@@ -126,6 +156,127 @@ class AccuracyTarget:
         run = raced.candidate
         return {"samples_per_s": run.samples_per_s, "startup_s": run.startup_s,
                 "time_to_target_s": run.time_to(self.value), "accuracy": run.final_accuracy}
+
+
+def steps_of(rounds) -> list[float]:
+    """The step losses of ``rounds`` (what a run's rounds returned: a sequence of step losses each, or one number)."""
+    return [float(x) for r in rounds for x in (r if isinstance(r, Sequence) else [r])]
+
+
+def loss_gap(a, b) -> float:
+    """How far two runs' first-round training losses lie apart: the mean absolute difference, step by step, of the
+    first rounds' losses (``a`` and ``b``: each run's rounds, as ``Run.losses``); NaN if either has none."""
+    first_a, first_b = steps_of(a[:1]), steps_of(b[:1])
+    pairs = list(zip(first_a, first_b))
+    return statistics.fmean(abs(x - y) for x, y in pairs) if pairs else nan
+
+
+# Student's t, one-sided 95 %, by degrees of freedom: the bound below which a new run falls 5 % of the time
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+
+
+@dataclass(frozen=True)
+class SeedSpread:
+    """The job's final test accuracy from a few seeds of one configuration: its mean, its standard deviation and the
+    margin below the mean that a new run of the same training falls under only 5 % of the time (Student's t
+    prediction bound, t·s·√(1 + 1/n): few seeds, so a wide margin)."""
+
+    accuracies: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.accuracies)
+
+    @property
+    def sd(self) -> float:
+        return statistics.stdev(self.accuracies) if len(self.accuracies) > 1 else nan
+
+    @property
+    def margin(self) -> float:
+        n = len(self.accuracies)
+        return T95.get(n - 1, 1.645) * self.sd * math.sqrt(1 + 1 / n) if n > 1 else nan
+
+    @property
+    def floor(self) -> float:
+        """The accuracy a run of the same training reaches 95 % of the time: the mean less the margin."""
+        return self.mean - self.margin
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{a:.1%}" for a in self.accuracies)
+        return (f"{len(self.accuracies)} seeds: {shown}; mean {self.mean:.1%}, standard deviation "
+                f"{self.sd * 100:.2g} points, margin {self.margin * 100:.2g} points (floor {self.floor:.1%})")
+
+
+@dataclass
+class SameJob:
+    """Lesson 08's judge: whether a candidate still trains the job.
+
+    A step that changes no arithmetic (``Race.same_arithmetic``) trains the same network on the same images in the same
+    order, so from the same seed its losses follow the kept configuration's: over the first round their gap
+    (``loss_gap``) must stay within ``share`` of the gap another seed shows (``Race.other_seed``), the tolerance of that
+    race; its one-seed accuracy decides nothing (it varies as much as a seed's). A step that changes the numerics
+    (precision, batch and learning rate) must reach the floor of the seeds' spread: ``spread`` holds the accuracies of
+    ``seeds`` (other seeds of the starting job, measured before the path) and the first race's baseline; ``target``
+    is that floor, the accuracy the time to target is measured to."""
+
+    seeds: tuple[float, ...] = ()
+    share: float = 0.1
+    spread: SeedSpread | None = None
+    baseline: Run | None = None
+
+    @property
+    def target(self) -> float:
+        return self.spread.floor if self.spread else nan
+
+    def tolerance(self, raced: Race) -> float:
+        """``share`` of the first-round loss gap between the baseline and another seed of its configuration."""
+        return self.share * loss_gap(raced.baseline.losses, raced.other_seed)
+
+    def __call__(self, raced: Race) -> str | None:
+        """None when the candidate trains the job, else why it was not kept."""
+        if self.spread is None:
+            self.baseline, self.spread = raced.baseline, SeedSpread((raced.baseline.final_accuracy, *self.seeds))
+        if raced.same_arithmetic:
+            gap = loss_gap(raced.baseline.losses, raced.candidate.losses)
+            return None if gap <= self.tolerance(raced) else LOSSES_DIFFER  # False for a NaN gap too
+        return None if raced.candidate.final_accuracy >= self.target else MISSED_TARGET
+
+    def row(self, raced: Race, options: dict | None = None) -> dict:
+        """The columns of a step's row: the candidate's speed, start-up, time to the target, accuracy, and for a step
+        that changes no arithmetic its loss gap and that race's tolerance."""
+        run = raced.candidate
+        same = raced.same_arithmetic
+        return {"samples_per_s": run.samples_per_s, "startup_s": run.startup_s,
+                "time_to_target_s": run.time_to(self.target), "accuracy": run.final_accuracy,
+                "judged_on": "losses" if same else "accuracy",
+                "loss_gap": loss_gap(raced.baseline.losses, run.losses) if same else nan,
+                "loss_tolerance": self.tolerance(raced) if same else nan}
+
+
+@dataclass
+class Budget:
+    """The seconds a path may spend racing, from its start: each race's seconds are planned before it starts (the
+    images of each side over the rate measured so far, plus start-up such as compilation), and a race that would not
+    end within the budget is refused, so that the whole run ends in time by construction."""
+
+    seconds: float = math.inf
+    started: float = field(default_factory=time.perf_counter)
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started)
+
+    def refuses(self, planned_s: float) -> str | None:
+        """Why a race planned to take ``planned_s`` seconds is not started (None: it fits in what is left)."""
+        left = self.left()
+        if planned_s <= left:
+            return None
+        return f"not raced: planned {planned_s:.0f} s, {max(left, 0):.0f} s of the lesson's budget left"
+
+
+def planned_seconds(images: Sequence[int], rates: Sequence[float], startup_s: float = 0.0) -> float:
+    """A race's training seconds before it starts: each side's ``images`` over its ``rates`` (images/s), plus
+    ``startup_s``."""
+    return sum(n / r for n, r in zip(images, rates)) + startup_s
 
 
 @dataclass
@@ -168,9 +319,10 @@ columns (``options``: the candidate's whole configuration).
             self._dropped.append((name, options, len(self._kept_names())))
         return row
 
-    def again(self) -> list[dict]:
+    def again(self, not_here: Callable[[str, dict], str | None] | None = None) -> list[dict]:
         """Each step dropped for its speed, tried once more where a step was kept after it and no kept step has set
-        the same switch since (retrying would undo it)."""
+        the same switch since (retrying would undo it). ``not_here(name, options)``, where given, names why a retry
+        cannot run now (a time budget): the row says so, nothing runs."""
         rows = []
         for name, options, kept_before in self._dropped:
             later = self._kept_names()[kept_before:]
@@ -181,6 +333,10 @@ columns (``options``: the candidate's whole configuration).
                 rows.append(self._add({"step": f"{name} (again)", "kept": False,
                                        "note": f"not retried: {', '.join(sorted(set(undone.values())))} set "
                                                f"{', '.join(sorted(undone))} since"}, None))
+                continue
+            refused = not_here(f"{name} (again)", options) if not_here else None
+            if refused:
+                rows.append(self._add({"step": f"{name} (again)", "kept": False, "note": refused}, None))
                 continue
             rows.append(self._try(f"{name} (again)", options))
         return rows

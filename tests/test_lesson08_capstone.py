@@ -149,45 +149,48 @@ def fake_run(label, seconds, accuracy_after):
     return racing.Run(label, (2.0 * seconds,) + (seconds,) * (rounds - 1), acc, 512)
 
 
-def test_the_summary_takes_every_number_from_the_final_race_and_its_own_traces(monkeypatch, results_dir):
-    """On the H200 the summary mixed rows: the baseline's busy share was another row's, the optimised one the CUDA
-    graphs race's, 39.5x in the table beside 54.1x in the text. Here each number must be the final race's (or the
-    busy window of the same two configurations)."""
+def test_the_summary_takes_the_naive_job_from_the_first_race_and_the_optimised_one_from_the_race_that_kept_it(
+        monkeypatch, results_dir):
+    """On the H200 the summary mixed rows (the baseline's busy share was another row's; 39.5x in the table beside
+    54.1x in the text). The naive job trains once now, in the first race: the summary takes its numbers from that run,
+    the optimised configuration's from the race that kept it, the busy shares from windows of the same two
+    configurations, and races nothing more."""
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *a, **k: None)
-    final = racing.Race(Comparison.of([1.0] * 8, [0.25] * 8, labels=("naive job", "fast (final)")),
-                        fake_run("naive job", 1.0, 0.91), fake_run("fast (final)", 0.25, 0.93))
-    races = []
-
-    def fake_race(current, candidate):
-        races.append((current, candidate))
-        return final
-
+    first = racing.Race(Comparison.of([1.0] * 8, [0.5] * 8, labels=("naive job", "data on the GPU")),
+                        fake_run("naive job", 1.0, 0.91), fake_run("data on the GPU", 0.5, 0.92))
+    last = racing.Race(Comparison.of([0.5] * 8, [0.125] * 8, labels=("data on the GPU", "fused SGD")),
+                       fake_run("data on the GPU", 0.5, 0.92), fake_run("fused SGD", 0.125, 0.93))
     measured = {"naive job": busy.Busy("naive job", 5, 10.0, 0.11, 0.12, 0.5, 0.05),
                 "optimised": busy.Busy("optimised", 5, 2.0, 0.97, 0.98, 1.0, 0.85)}
-    monkeypatch.setattr(busy, "measure", lambda step, label, **kw: measured[label])
-    path = types.SimpleNamespace(current=("fast", {"pipeline": "device"}),
-                                 rows=[{"step": "fast", "kept": True, "vs_previous": 3.9}])
+    profiled = []
+    monkeypatch.setattr(busy, "measure", lambda step, label, **kw: profiled.append(label) or measured[label])
+    rows = [{"step": "data on the GPU", "kept": True, "vs_previous": 2.0},
+            {"step": "fused SGD", "kept": True, "vs_previous": 4.0}]
+    path = types.SimpleNamespace(current=("fused SGD", {"pipeline": "device", "fused": True}), rows=rows,
+                                 results={"data on the GPU": first, "fused SGD": last})
     scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
-    scope.update(race=fake_race, path=path, target=racing.AccuracyTarget(0.0, 0.88), flops_per_image=1e7,
-                 ceilings={"fp32": flops.Ceiling("fp32", 0.05)},
-                 log=gpulab.ResultLog("08_capstone"), steps=pd.DataFrame(path.rows), job=lambda *a, **k: (None,) * 3,
-                 BASE={"sync_each_step": True, "lr": 0.1})
-    run(scope, "08", "head_to_head = race(")
-    assert races == [(("naive job", None), ("fast (final)", {"pipeline": "device"}))]
+    raced = []
+    scope.update(race=lambda *sides: raced.append(sides), path=path, judge=types.SimpleNamespace(target=0.88),
+                 STEPS=[("data on the GPU", {"pipeline": "device"}, None)], flops_per_image=1e7,
+                 ceilings={"fp32": flops.Ceiling("fp32", 0.05)}, log=gpulab.ResultLog("08_capstone"),
+                 steps=pd.DataFrame(rows), job=lambda *a, **k: (None,) * 3, BASE={"sync_each_step": True, "lr": 0.1})
+    run(scope, "08", "final, final_options = path.current")
+    assert raced == [] and profiled == ["naive job", "optimised"]
     summary = scope["summary"]
-    assert summary.loc["samples/s (steady)"].tolist() == [512.0, 2048.0]
-    assert summary.loc["seconds to the target"].tolist() == [final.baseline.time_to(0.88), final.candidate.time_to(0.88)]
+    assert summary.loc["samples/s (steady)"].tolist() == [512.0, 4096.0]
+    assert summary.loc["seconds to the target"].tolist() == [first.baseline.time_to(0.88), last.candidate.time_to(0.88)]
     assert summary.loc[f"test accuracy after {capstone.SIZES.epochs} epochs"].tolist() == [0.91, 0.93]
     assert summary.loc["GPU busy: kernels (trace)"].tolist() == [0.11, 0.97]
     assert summary.loc["of achievable (measured ceiling)"].tolist() == pytest.approx(
-        [512 * 1e7 / 0.05e12, 2048 * 1e7 / 0.05e12])
+        [512 * 1e7 / 0.05e12, 4096 * 1e7 / 0.05e12])
     row = scope["log"].frame().iloc[-1]
-    assert row["speedup"] == 4.0 and row["kernel_busy"] == 0.97 and row["samples_per_s"] == 2048.0
+    assert row["speedup"] == 8.0 and row["speedup_of_kept_steps"] == 8.0  # 4096/512, and 2 x 4
+    assert row["kernel_busy"] == 0.97 and row["samples_per_s"] == 4096.0 and row["naive_samples_per_s"] == 512.0
 
 
 def test_the_path_never_retries_a_step_over_a_later_kept_one():
     """The H200's "torch.compile (again)" replaced the kept reduce-overhead with default: the lesson's path now
     goes through racing.Path, whose test shows the retry refused (tests/test_racing.py)."""
     source = code("08", "path = racing.Path(")
-    assert "path.step(" in source and "path.again()" in source and "racing.Path(race, judge=target" in source
+    assert "path.step(" in source and "path.again(" in source and "racing.Path(race, judge=judge" in source
