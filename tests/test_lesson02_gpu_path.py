@@ -136,6 +136,7 @@ def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson
     assert list(rows.index) == list(lesson["configs"])
     assert (rows["busy_steps"] == steps).all() and (rows["busy_step_ms"] > 0).all()  # its own steps, profiled
     assert rows["kernel_busy"].isna().all() and rows["nvml_util"].tolist() == pytest.approx([0.97] * len(rows))
+    assert (rows["sm_clock_mhz"] == 1980).all()  # each row with the played card's state over its own measurements
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_ACCELERATOR, UserWarning)
