@@ -253,7 +253,9 @@ def slow_train(model: torch.nn.Module, data: ImageData, *, epochs: int, device, 
 COMPILE_S = 25.0  # a first torch.compile of the network (mode default): 22.7 s on the 2026-11-28 H200 (quick mode's
 # network: the graph's operators, not their widths, set it)
 COMPILE_AGAIN_S = 10.0  # estimate: a retry compiles the same network again, and reuses what is cached (dynamo's
-# compiled code in the process where its guards still hold, inductor's FX graphs and Triton kernels on disk)
+# compiled code in the process where its guards still hold, inductor's FX graphs and Triton kernels on disk). A new
+# model of the same class passes dynamo's guards (torch/_dynamo/config.py, inline_inbuilt_nn_modules: True by default
+# since 2.5, always in 2.14): the later races of a compiled configuration compile nothing new.
 PLAN_MFU = {"fp32": 0.10, "bf16": 0.20}  # rates planned before they are measured, as shares of the dense bf16 peak:
 # estimates below what the lesson aims for (40 % for the final configuration); fp32 runs its convolutions in TF32
 FIXED_S = {"start, data, FLOPs, reference tables": 15.0, "ceilings, busy windows, figures": 30.0}  # estimates; the

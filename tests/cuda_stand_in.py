@@ -282,6 +282,9 @@ def _patches(gpu: StandIn) -> dict:
         # torch.cuda._sleep(cycles) queues a kernel that spins for `cycles` clocks (torch/cuda/__init__.py,
         # aten/src/ATen/cuda/Sleep.cu) and returns: a CPU has no queue to hold, so it returns at once
         "_sleep": lambda cycles: None,
+        # torch.cuda.is_current_stream_capturing() (torch/cuda/graphs.py) is False outside a capture, and the
+        # stand-in never captures (CUDAGraph and graph raise GpuOnly)
+        "is_current_stream_capturing": lambda: False,
         "CUDAGraph": _gpu_only("torch.cuda.CUDAGraph (capture and replay)"),
         "graph": _gpu_only("torch.cuda.graph (capture)"),
         "make_graphed_callables": _gpu_only("torch.cuda.make_graphed_callables"),

@@ -173,10 +173,11 @@ def test_the_cpu_stand_in_for_a_replayed_graph_trains_as_the_eager_steps_do():
         assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), name
 
 
-def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it():
+def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it(course_device):
     """The 2026-11-28 review: the watch counted in Python hooks, which a CUDA graph's replay never runs, so an answer
     that captures its step (as lesson 08 teaches) was told it trained on a few batches. The counts now live on the
-    device, kept by kernels of the step itself."""
+    device, kept by kernels of the step itself (on the CPU, and on the CPU playing a GPU: its branch asks whether a
+    capture is under way)."""
     class Events:
         marks = []
 
@@ -184,7 +185,7 @@ def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it
             self.marks.append(info)
 
     model = models.SpeedrunNet(capstone.SIZES.widths)
-    watch = lesson08.TrainingWatch(model, n_train=64, events=Events(), device=torch.device("cpu"))
+    watch = lesson08.TrainingWatch(model, n_train=64, events=Events(), device=course_device)
     batches = batches_of(12)  # 3 epochs of 64: 12 steps of 16
     train_replayed(model, batches)
     facts = watch.facts()

@@ -126,13 +126,15 @@ class TrainingWatch:
             self.inputs.index_copy_(0, ring, x[:2].detach().float())
         self.counts[0].add_(b)
         self.counts[1].add_(1)
+        self.weight_dtypes.add(str(self.first.dtype).removeprefix("torch."))
+        self.input_dtypes.add(str(x.dtype).removeprefix("torch."))
+        if on_gpu(self.device) and torch.cuda.is_current_stream_capturing():
+            return  # a capture runs nothing (its kernels are recorded), and may not wait for the GPU
         if self.samples - self.epoch_start + b > self.n_train:  # this batch overflows the epoch: it starts a new one
             sync(self.device)
             self.events.mark(epoch=self.epochs, samples=self.samples)
             self.epochs, self.epoch_start = self.epochs + 1, self.samples
         self.samples += b
-        self.weight_dtypes.add(str(self.first.dtype).removeprefix("torch."))
-        self.input_dtypes.add(str(x.dtype).removeprefix("torch."))
 
     def _backward(self, parameter):
         self.counts[2].add_(1)
