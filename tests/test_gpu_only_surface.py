@@ -76,6 +76,16 @@ SURFACE = (
             "aten/src/ATen/native/cuda/Copy.cu); torch's notes/cuda.rst 'CUDA streams' and 'Use pinned memory "
             "buffers'; the stand-in runs every operation at once and pins by copying",
             "lesson 02 full mode: pinned beats pageable, the copy hides behind compute on a side stream"),
+    GpuOnly("The DataLoader's pinning thread",
+            ("pin_memory=True",),
+            "torch/utils/data/dataloader.py _BaseDataLoaderIter.__init__: pins batches only where "
+            "torch.accelerator.is_available(); the stand-in leaves that as the machine has it (it warns, pins nothing)",
+            "lesson 02 full mode: the pinned loader's batches are pinned and copy faster"),
+    GpuOnly("Nsight Systems and Nsight Compute on real kernels",
+            ('"nsys"', '"ncu"'),
+            "NVIDIA's profilers, started as programs (lesson 06 looks for them on PATH); ncu replays one kernel with "
+            "its hardware counters",
+            "lesson 06 on a GPU machine that has them: the commands it prints run"),
     GpuOnly("The sync debug mode's warnings",
             ("torch.cuda.set_sync_debug_mode",),
             "c10/cuda/CUDAFunctions.h warn_or_error_on_sync: raised by CUDA operations that synchronise; a CPU "
