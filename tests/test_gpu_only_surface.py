@@ -168,3 +168,67 @@ def test_every_torch_cuda_call_is_answered_by_the_stand_in_or_listed_as_gpu_only
 
 def test_the_readme_points_to_this_list():
     assert "tests/test_gpu_only_surface.py" in (ROOT / "README.md").read_text()
+
+
+# Device checks that are not the question "does this work run on a GPU?", each with why it asks something else.
+OTHER_QUESTIONS = {
+    ("gpulab/flops.py", 'if device.type == "cpu":'): "where the tensors live: the CPU's own matmul kernel",
+    ("gpulab/flops.py", 'if precision not in here and not (device.type == "cpu" and precision == "fp16"):'):
+        "where the tensors live: fp16 matmuls a CPU emulates",
+    ("gpulab/results.py", 'on_cpu = ~frame["device"].astype(str).str.startswith("cuda")'): "a column of shipped rows",
+    ("gpulab/doctor.py", 'itself (``torch.cuda.is_available()``) is what doctor is for, so it is not the course\'s '
+                         'choice of device'): "a docstring",
+    ("gpulab/doctor.py", 'return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")'):
+        "the machine's own CUDA runtime is what doctor examines",
+    ("gpulab/doctor.py", "if not torch.backends.cudnn.is_available():"): "whether this torch bundles cuDNN",
+    ("gpulab/commands/record.py", "if not torch.cuda.is_available():"):
+        "shipped reference results come only from a real GPU, never a stand-in",
+    ("gpulab/commands/verify.py", 'gpu = args.gpu or (torch.cuda.get_device_name(0) if torch.cuda.is_available() '
+                                  'else H100)'): "the real GPU a verification plan is for",
+    ("gpulab/questions/lesson04.py", "if torch.cuda.is_available():"): "its probe makes real CUDA tensors",
+    ("notebooks/00_setup_and_diagnostics.ipynb", 'print("CUDA available:", torch.cuda.is_available())'):
+        "the lesson shows what the CUDA runtime answers",
+    ("notebooks/00_setup_and_diagnostics.ipynb", '"cuDNN": torch.backends.cudnn.version() if '
+                                                 'torch.backends.cudnn.is_available() else "not available",'):
+        "whether this torch bundles cuDNN",
+    ("notebooks/00_setup_and_diagnostics.ipynb", 'other = device if device.type != "cpu" else torch.device("meta")'):
+        "where the tensors live: a second device for the mismatch demo",
+    ("notebooks/01_cuda_basics.ipynb", 'if device.type == "cpu":'): "where the tensors live: Triton's interpreter",
+}
+# The checks' own simulated GPU (gpulab/questions/stand_in.py, observe.py): a learner's code is run on the meta
+# device where there is no real GPU; these modules ask where a learner's tensors went, and whether a real GPU exists.
+LEARNER_DEVICE_MODULES = {"gpulab/questions/stand_in.py", "gpulab/questions/observe.py", "gpulab/questions/lesson00.py",
+                          "gpulab/questions/lesson01.py", "gpulab/questions/lesson02.py"}
+DEVICE_CHECK = re.compile(r'\.type [!=]= "(cuda|cpu)"|is_available\(\)|startswith\("cuda"\)')
+
+
+def device_checks() -> list[tuple[str, str]]:
+    """(file, line) of every device check in the package but gpulab/device.py, and in the lessons and solutions."""
+    import nbformat
+
+    found = []
+    for path in sorted((ROOT / "gpulab").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name != "gpulab/device.py" and name not in LEARNER_DEVICE_MODULES:
+            found += [(name, _code(line)) for line in path.read_text().splitlines() if DEVICE_CHECK.search(line)]
+    for folder in ("notebooks", "solutions"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            for c in nbformat.read(path, as_version=4).cells:
+                if c.cell_type == "code":
+                    found += [(f"{folder}/{path.name}", _code(line)) for line in c.source.splitlines()
+                              if DEVICE_CHECK.search(line)]
+    return found
+
+
+def _code(line: str) -> str:
+    """A line without its indentation and its comment."""
+    return line.split("  #")[0].strip()
+
+
+def test_the_package_and_the_lessons_ask_one_device_predicate():
+    """A GPU branch asks gpulab.on_gpu (which the CUDA stand-in can switch), so that a test runs it on a CPU; any
+    other device check asks another question, named above."""
+    stray = [check for check in device_checks() if check not in OTHER_QUESTIONS]
+    assert not stray, f"ask gpulab.on_gpu(device) instead, or name the other question in OTHER_QUESTIONS: {stray}"
+    stale = set(OTHER_QUESTIONS) - set(device_checks())
+    assert not stale, f"these device checks are gone: remove them from OTHER_QUESTIONS: {sorted(stale)}"
