@@ -269,26 +269,34 @@ def planned_rate(flops_per_image: float, peak_tflops: float, precision: str) -> 
     return PLAN_MFU[precision] * peak_tflops * 1e12 / flops_per_image
 
 
+def evaluation_s(sizes: Sizes, rate: float) -> float:
+    """The seconds of one run's evaluations (after every epoch, untimed in a race but not in the lesson's minutes):
+    the test images, forward only (a third of a training step's FLOPs), at a configuration's training ``rate``."""
+    return sizes.epochs * sizes.n_test / (3 * rate)
+
+
 def plan(steps, rate, *, sizes: Sizes = SIZES, compile_s: float = COMPILE_S, noise_seeds=NOISE_SEEDS) -> list[dict]:
     """Lesson 08's parts with their planned seconds, before any runs: the noise (``noise_seeds`` runs of the job with
     its data on the device), then each of ``steps`` ((name, options, not_here); those not here are left out) raced
     against the configuration before it, as if every step were kept: each side's images over ``rate(options)``
     (images/s; options None: the naive job), another seed's first round of the configuration before it (the race's
-    yardstick), and ``compile_s`` where a step compiles first."""
+    yardstick), ``compile_s`` where a step compiles first, and each run's evaluations (``evaluation_s``, at the rate
+    of the job with its data on the device: the lesson evaluates every model there)."""
     def run_s(options) -> float:
         batch = (options or {}).get("batch", sizes.batch)
         return replace(sizes, batch=batch).images_per_run / rate(options)
 
     device_job = {"pipeline": "device"}
+    evaluations = evaluation_s(sizes, rate(device_job))
     rows = [{"part": f"noise: seeds {', '.join(map(str, noise_seeds))} of the job, data on the device",
-             "planned_s": len(noise_seeds) * run_s(device_job)}]
+             "planned_s": len(noise_seeds) * (run_s(device_job) + evaluations)}]
     kept = None
     for name, options, not_here in steps:
         if not_here:
             continue
         candidate = {**(kept or {}), **options}
         startup = compile_s if candidate.get("compile") and not (kept or {}).get("compile") else 0.0
-        seconds = run_s(kept) + run_s(candidate) + sizes.images_per_round / rate(kept) + startup
+        seconds = run_s(kept) + run_s(candidate) + 2 * evaluations + sizes.images_per_round / rate(kept) + startup
         rows.append({"part": f"race: {name}", "planned_s": seconds})
         kept = candidate
     return rows
