@@ -575,3 +575,19 @@ def test_the_checks_observer_passes_a_synchronize_on_to_the_course_gpu(cuda_stan
     with observe() as seen:
         torch.cuda.synchronize()
     assert seen.syncs == ["torch.cuda.synchronize()"] and waited == [None]
+
+
+def test_the_checks_observer_passes_a_synchronize_on_to_a_real_gpu_when_the_course_runs_on_the_cpu(monkeypatch):
+    """A GPU machine where ``$GPULAB_DEVICE`` is the CPU: ``gpu_run`` still runs a learner's code on the GPU, and the
+    learner's ``torch.cuda.synchronize()`` must wait for it there (the observer asked only the course's device, so
+    the wait was recorded and dropped: a correct timer or a non-blocking copy then read the GPU's work early)."""
+    from gpulab.questions.observe import observe
+
+    waited = []
+    monkeypatch.setenv("GPULAB_DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine's CUDA runtime works
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    assert not gpulab.on_gpu()
+    with observe() as seen:
+        torch.cuda.synchronize(GPU)
+    assert seen.syncs == ["torch.cuda.synchronize()"] and waited == [GPU]

@@ -191,13 +191,14 @@ def _target(name: str, args: tuple, kwargs: dict) -> str | None:
 
 
 def _synchronize_spies(seen: Observed) -> dict:
-    """Replacements for the explicit synchronise calls: record, then wait where there is a GPU to wait for (the
-    course's, its stand-in in the tests, or ``simulated_gpu``'s queue)."""
+    """Replacements for the explicit synchronise calls: record, then wait where there is a GPU to wait for: the CUDA
+    runtime's (a real GPU, or ``simulated_gpu``'s queue), whichever device the course chose (``gpu_run`` runs a
+    learner's code on the GPU even where ``$GPULAB_DEVICE`` is the CPU), or the tests' CUDA stand-in."""
 
     def spy(label, original):
         def synchronize(*args, **kwargs):
             seen.syncs.append(label)
-            if on_gpu():
+            if torch.cuda.is_available() or on_gpu():
                 return original(*args, **kwargs)
             return None
 
