@@ -73,13 +73,17 @@ class Card:
     max_threads_per_multi_processor: int = 2048
     warp_size: int = 32
     gcnArchName: str = "NVIDIA CUDA"
+    memory_clock_rate: int = 0  # kHz, and bits: device memory's theoretical bandwidth (an older torch lacks both)
+    memory_bus_width: int = 0
 
 
 CARDS = {card.name: card for card in (
-    # torch's total_memory as lesson 00 printed it on 2026-11-28 (150.1 GB); 132 SMs, 60 MiB of L2 ("63 MB")
-    Card("NVIDIA H200", 9, 0, 150_110_000_000, 132, 60 * 2**20),
-    Card("NVIDIA H100 80GB HBM3", 9, 0, 84_930_000_000, 132, 50 * 2**20),
-    Card("Tesla T4", 7, 5, 15_830_000_000, 40, 4 * 2**20),
+    # torch's total_memory as lesson 00 printed it on 2026-11-28 (150.1 GB); 132 SMs, 60 MiB of L2 ("63 MB"); its
+    # memory as lesson 01 printed it there: a 6016-bit bus at 3.20 GHz, 4814 GB/s
+    Card("NVIDIA H200", 9, 0, 150_110_000_000, 132, 60 * 2**20, memory_clock_rate=3_201_000, memory_bus_width=6016),
+    Card("NVIDIA H100 80GB HBM3", 9, 0, 84_930_000_000, 132, 50 * 2**20, memory_clock_rate=2_619_000,
+         memory_bus_width=5120),
+    Card("Tesla T4", 7, 5, 15_830_000_000, 40, 4 * 2**20, memory_clock_rate=5_001_000, memory_bus_width=256),
 )}
 
 

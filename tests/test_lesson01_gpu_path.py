@@ -352,7 +352,7 @@ def test_the_vector_add_shows_no_share_above_100_percent_and_calls_only_device_m
         on_the_stand_in, monkeypatch, capsys, results_dir):
     """The H200 printed 'copy (the ceiling)' and 'PyTorch x + y … 104% of the copy bandwidth' in one table. The copy is
     a yardstick that an add (two reads per write) can pass; the ceiling is device memory's theoretical bandwidth."""
-    scope = on_the_stand_in
+    scope = define(on_the_stand_in, "peak_gbs = None", "of_ceiling")  # section 1's share of the ceiling
     monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 4096)))
     bench, compare = h200_timings(scope)
     scope.update(peak_gbs=H200_PEAK_GBS, have_triton=True, triton_add=torch.add, cuda_add=torch.add,
@@ -368,9 +368,22 @@ def test_the_vector_add_shows_no_share_above_100_percent_and_calls_only_device_m
     assert "Faster than the copy (PyTorch x + y, Triton" in out and "stays above both" in out
 
 
+def test_a_bandwidth_becomes_a_share_of_the_ceiling_in_one_place_that_never_says_more_than_100_percent():
+    """The H200's largest cold copy (4188 GB/s) was printed as 87 % of the theoretical 4814 GB/s in section 1 and in
+    the summary, each dividing by the ceiling itself, where only the vector add's table refused a share above 100 %."""
+    divisions = [line.strip() for source in (c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+                                             if c.cell_type == "code")
+                 for line in source.splitlines() if re.search(r"/ peak_gbs\b", line)]
+    assert divisions == ['return f"{gbs / peak_gbs:.0%}" if gbs <= peak_gbs else "above it: impossible, no share"']
+    scope = define({}, "peak_gbs = None", "of_ceiling")
+    assert scope["of_ceiling"](4188) == "-"  # no ceiling reported: no share
+    scope["peak_gbs"] = H200_PEAK_GBS
+    assert scope["of_ceiling"](4188) == "87%" and "%" not in scope["of_ceiling"](1.01 * H200_PEAK_GBS)
+
+
 def test_without_a_reported_memory_clock_no_ceiling_is_shown_and_the_copy_stays_a_ratio(
         on_the_stand_in, monkeypatch, capsys, results_dir):
-    scope = on_the_stand_in
+    scope = define(on_the_stand_in, "peak_gbs = None", "of_ceiling")  # section 1's share of the ceiling
     monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 4096)))
     bench, compare = h200_timings(scope)
     scope.update(peak_gbs=None, have_triton=False, cuda_add=None,
@@ -526,6 +539,8 @@ def test_the_whole_lesson_runs_its_gpu_branches_on_the_stand_in(on_the_stand_in,
     out = capsys.readouterr().out
     assert scope["on_gpu"] and scope["l2_bytes"] == 60 * 2**20
     assert "132 SMs × 2048 resident threads" in out and "No GPU here" not in out
+    assert "device memory's theoretical bandwidth: 4814 GB/s (6016-bit bus, 3.20 GHz" in out  # the H200's, as it printed
+    assert max(float(p) for p in re.findall(r"(\d+(?:\.\d+)?)\s?%", out)) <= 100, out
     assert 2 * scope["copy_mb"][-1] * 1e6 >= 8 * scope["l2_bytes"] and (2**28,) in shrunk.asked  # the flush asked
     assert set(scope["copies"]["cache"]) == {"warm", "cold"}
     assert "GPU, with copies there and back" in set(scope["tradeoff"]["way"])
