@@ -45,7 +45,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from . import datasheets
-from .conditions import Conditions, Watch
+from .conditions import POWER, Conditions, Watch
 from .device import device_info, get_device, on_gpu
 from .mode import by_mode
 from .precision import calls_to_fill, matmul_flops, timed_calls
@@ -270,6 +270,28 @@ class Ceiling:
                  "not this card's or this precision's" if self.datasheet_tflops else "")
         held = f"; sustained {self.sustained}" if self.sustained and self.sustained.tflops != self.tflops else ""
         return f"{self.precision} ceiling {self.tflops:.4g} TFLOP/s{shape}{clocks}{sheet}{held}"
+
+    def burst_beside_sustained(self) -> str:
+        """The burst and the sustained rate in words, and what the readings say of their gap: the power limit where it
+        held the sustained clocks down, nothing where it did not (the ceiling is then the faster of two rates at the
+        same clocks); "" where either is missing."""
+        burst, sustained = self.burst, self.sustained
+        if burst is None or sustained is None:
+            return ""
+        held = sustained.conditions
+        if held is None or not held.clocks():
+            return (f"{self.precision}: burst {burst.tflops:.4g}, sustained {sustained.tflops:.4g} TFLOP/s; no clock "
+                    "reading here (NVML reads a GPU)")
+        power_limited = held.at_power_limit and any(reason in POWER for reason in held.throttle)
+        gap = 1 - sustained.tflops / burst.tflops
+        if power_limited and gap > 0:
+            return (f"{self.precision}: sustained {sustained}: {gap:.0%} below its burst, {burst}. Held at its power "
+                    "limit, the card lowered its clocks under back-to-back dense products.")
+        if power_limited:
+            return (f"{self.precision}: the burst, {burst}, was no faster than the sustained rate, {sustained}: its "
+                    "clocks had not come back up after the rest, and the ceiling is the sustained rate.")
+        return (f"{self.precision}: burst {burst}; sustained {sustained}: no power limit held the clocks down, and the "
+                "ceiling is the faster of the two.")
 
 
 MAX_PRODUCT_S = 0.25  # a shape whose product would take longer than this is not tried

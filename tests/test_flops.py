@@ -268,6 +268,28 @@ def test_a_burst_below_the_sustained_rate_leaves_the_ceiling_at_the_sustained_on
     assert c.conditions is c.sustained.conditions and c.row()["burst_tflops"] == pytest.approx(650.0)
 
 
+def beside(burst: float, sustained: float, held) -> str:
+    """``Ceiling.burst_beside_sustained`` of a bf16 ceiling whose sustained rate ran in the state ``held``."""
+    burst, sustained = flops.Timed(burst, h200_state(1980.0, 1980.0, 640.0)), flops.Timed(sustained, held)
+    return flops.Ceiling("bf16", max(burst.tflops, sustained.tflops), burst=burst,
+                         sustained=sustained).burst_beside_sustained()
+
+
+def test_the_burst_beside_the_sustained_rate_blames_the_power_limit_only_where_it_held_the_clocks_down():
+    """A gap is put down to the power limit only where NVML says it held the sustained clocks down; on a card it did
+    not hold, a burst no faster than the sustained rate is not said to have lacked its clocks (it ran at the same)."""
+    capped = h200_state(1515.0, 1515.0, 556.8, ("SW power cap",))
+    assert "12% below its burst" in beside(790.0, 694.9, capped) and "Held at its power limit" in beside(
+        790.0, 694.9, capped)
+    assert "its clocks had not come back up" in beside(650.0, 694.9, capped)
+    free = h200_state(1965.0, 1980.0, 420.0)
+    for burst in (650.0, 700.0):
+        said = beside(burst, 694.9, free)
+        assert "no power limit held the clocks down" in said and "clocks had not come back" not in said, said
+    assert "no clock reading here" in beside(700.0, 694.9, Conditions())
+    assert flops.Ceiling("bf16", 700.0).burst_beside_sustained() == ""
+
+
 def test_a_gpu_held_at_its_power_limit_reads_its_top_clock_within_the_rest_before_the_burst():
     """The rest before the burst (``REST_S``) from the H200's own record (NVML once a second, 2026-11-28): every time
     it went idle after the power limit had held its clock down, its next reading was the top clock."""

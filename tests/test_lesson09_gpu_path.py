@@ -148,6 +148,29 @@ def test_the_ceilings_table_shows_the_burst_and_the_sustained_rate_each_with_its
     assert rows.loc["bf16", "sustained_sm_clock_low_mhz"] == 1515 and rows.loc["bf16", "ceiling_tflops"] == 790.0
 
 
+def test_a_burst_no_faster_on_a_card_no_power_limit_held_is_not_said_to_have_lacked_its_clocks(
+        on_an_h100, monkeypatch, capsys, results_dir):
+    """A card whose search ran at its top clock, well under its power limit (an L4 or an A100 on fp32, say): burst and
+    sustained differ by noise, and a burst that came out a little slower is not put down to clocks that "had not come
+    back up" (they never fell); the ceiling is the sustained rate, as the last line says."""
+    def unheld(precision):
+        c = h200_ceiling(precision)
+        free = dataclasses.replace(c.sustained.conditions, sm_clock_low_mhz=1980.0, sm_clock_high_mhz=1980.0,
+                                   gpu_power_w=420.0, throttle=())
+        sustained = flops.Timed(c.sustained.tflops, free)
+        burst = flops.Timed(0.99 * sustained.tflops, c.burst.conditions)
+        return dataclasses.replace(c, tflops=sustained.tflops, conditions=free, burst=burst, sustained=sustained)
+
+    monkeypatch.setattr(flops, "ceiling", lambda precision, device=None, **options: unheld(precision))
+    monkeypatch.setattr(flops, "precisions_here", lambda device=None: ["fp32", "tf32", "fp16", "bf16"])
+    on_an_h100["info"] = dataclasses.replace(on_an_h100["info"], name="NVIDIA H200")
+    run(on_an_h100, "ceiling_log = gpulab.ResultLog")
+    said = capsys.readouterr().out
+    assert "had not come back" not in said
+    assert said.count("no power limit held the clocks down, and the ceiling is the faster of the two") == 3
+    assert "is the burst, or the sustained rate where the burst came out no faster" in said
+
+
 def test_the_first_run_prints_the_clock_its_steps_ran_at_beside_the_ceilings_two(on_an_h100, capsys, results_dir):
     """The evidence for dividing by the burst, as the H200 measured it on 2026-11-28: the first run's steps ran at
     1980 MHz, its top clock, at up to 668 W (under the limit), where the fp32 search ran at 1860-1965 MHz at 699 W."""
