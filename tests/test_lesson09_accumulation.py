@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from gpulab import text
 
@@ -192,12 +193,20 @@ def test_with_cuda_graphs_output_reuse_every_batch_the_path_can_reach_trains_as_
     assert not differs, differs
 
 
+def graph_pool_bytes() -> int:
+    """Bytes in the CUDA allocator's segments outside its default pool (0, 0): the private pools CUDA graphs record in
+    (``torch.cuda.memory_snapshot()``'s ``segment_pool_id``)."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0))
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tensors(monkeypatch, results_dir):
     """What no CPU can show, for the next GPU run: CUDA graph trees record and replay the compiled forward and backward
     for each of 4 micro-batches a step (quick sizes), and every replay's gradients add up into the ``.grad`` tensors
     made before training, with no "overwritten by a subsequent run" (the H200 raised it on 2026-11-28); the training
-    stays within the waterfall's loss gap of the eager step's."""
+    stays within the waterfall's loss gap of the eager step's. It fails where the step ran without graphs (inductor's
+    ``cudagraph_skips`` counter, bumped by torch/_inductor/cudagraph_utils.py's ``log_cudagraph_skip_and_bump_counter``,
+    or no private pool): a step that skipped them would prove nothing."""
     monkeypatch.setenv("GPULAB_QUICK", "1")
     scope = {"__name__": "__main__", "device": torch.device("cuda"), "gpulab": gpu_path.gpulab,
              "display": lambda *args: None}
@@ -210,10 +219,13 @@ def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tens
         options = {"amp": True, "attention": "sdpa", "micro": 1, "accum": 4}
         eager = scope["run_steps"](options)
         eager_losses = torch.stack([next(eager)[1] for _ in range(4)]).float().cpu()
+        counters.clear()
         graphs = scope["run_steps"]({**options, "compile": "reduce-overhead"})
         model, first = next(graphs)
         buffers = [p.grad for p in model.parameters()]
         graph_losses = torch.stack([first, *(next(graphs)[1] for _ in range(3))]).float().cpu()
+        assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled step ran without CUDA graphs"
+        assert graph_pool_bytes() > 0, "no CUDA graph was recorded"
         assert all(p.grad is buffer for p, buffer in zip(model.parameters(), buffers, strict=True))
         assert (graph_losses - eager_losses).abs().max() <= max(0.05, 0.02 * graph_losses[-1].abs())
     finally:
