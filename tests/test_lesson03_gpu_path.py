@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import gpulab
-from gpulab import flops
 from gpulab.batch_finder import OUT_OF_MEMORY, OVER_BUDGET, find_max_batch
 
 from .test_lesson03 import bytes_step
-from .test_mfu_lessons_03_04 import H200, H200_CEILINGS, H200_SHEET, replay, run
+from .test_mfu_lessons_03_04 import H200, h200_ceilings, replay, run
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -128,12 +127,7 @@ def test_in_full_mode_the_searches_run_on_the_whole_card_until_it_is_out_of_memo
 def test_the_sweep_gives_the_cache_back_after_each_model(lesson, monkeypatch):
     """Section 2 on the stand-in, with the step times and ceilings the H200 measured (tests/data/lesson03/): each
     model's steps timed and their tensors counted, the cache emptied after each model's sweep."""
-    def ceiling(precision, device=None, **options):
-        return flops.Ceiling(precision, H200_CEILINGS[precision], device_name="NVIDIA H200",
-                             datasheet_tflops=H200_SHEET[precision])
-
-    monkeypatch.setattr(flops, "ceiling", ceiling)
-    monkeypatch.setattr(flops, "ceilings", lambda precisions=None, device=None, **options: {p: ceiling(p) for p in precisions})
+    h200_ceilings(monkeypatch)
     replay(monkeypatch, H200["throughput"])
     scope = lesson(quick=True)
     run(scope, "03", "MODELS = {", "def mfu_of(")

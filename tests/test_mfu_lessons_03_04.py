@@ -120,10 +120,9 @@ def of_fake_ceiling(flops_per_unit, units_per_s, precision):
     return flops_per_unit * units_per_s / (CEILINGS_TFLOPS[precision] * 1e12)
 
 
-@pytest.fixture
-def h200(monkeypatch, tf32_gpu):
-    """The H200 of 2026-11-27: its measured ceilings with their dense datasheet peaks, as flops.ceiling and
-    flops.ceilings give them there, and flops.reference_peak as on a GPU: the fastest datasheet peak asked for."""
+def h200_ceilings(monkeypatch):
+    """flops.ceiling and flops.ceilings answer as on the H200 of 2026-11-27: its measured ceilings with their dense
+    datasheet peaks."""
 
     def ceiling(precision, device=None, **options):
         return flops.Ceiling(precision, H200_CEILINGS[precision], device_name="NVIDIA H200",
@@ -131,6 +130,13 @@ def h200(monkeypatch, tf32_gpu):
 
     monkeypatch.setattr(flops, "ceiling", ceiling)
     monkeypatch.setattr(flops, "ceilings", lambda precisions=None, device=None, **options: {p: ceiling(p) for p in precisions})
+
+
+@pytest.fixture
+def h200(monkeypatch, tf32_gpu):
+    """The H200 of 2026-11-27: its ceilings (h200_ceilings), and flops.reference_peak as on a GPU: the fastest
+    datasheet peak asked for."""
+    h200_ceilings(monkeypatch)
     monkeypatch.setattr(flops, "reference_peak", lambda precisions, device=None: max(
         ((p, H200_SHEET[p]) for p in precisions), key=lambda pair: pair[1]))
 
