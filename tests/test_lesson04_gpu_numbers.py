@@ -246,3 +246,38 @@ def test_the_training_tables_step_times_and_mfu_are_those_of_the_pairs_beside_th
     printed = capsys.readouterr().out
     bf16 = next(line for line in printed.splitlines() if line.startswith("  bf16: "))
     assert bf16.startswith(f"  bf16: {benched['fp32'] / pairs['bf16'].speedup * 1e3:.3g} ms per step")
+
+
+def test_a_reference_drawn_from_the_logged_rows_shows_the_step_times_the_table_showed(
+        lesson_env, gpu_ceilings, tf32_gpu, monkeypatch, capsys):  # noqa: F811 (fixtures)
+    """The logged rows keep each step's own bench (median_s, the MFU of that time, the GPU's state over it) and the
+    time the table showed, its median in the pairs (paired_median_s): shipped as a reference, the H200's rows of
+    2026-11-28 draw bf16 1.27× slower than fp32, as the pairs said (0.79×), not 2 % slower as the benches did."""
+    benched = h200_2026_11_28("04_training_precision").set_index("precision")["median_s"].to_dict()
+    speedups = h200_2026_11_28("04_training_speedups").rename(columns={"candidate": "precision"})
+    pairs = {row.precision: h200_pairs(benched["fp32"], row) for row in speedups.itertuples()}
+    monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kwargs: Measurement(
+        label, (benched[label.split()[0]],) * 3, "cuda:0", 1))
+    monkeypatch.setattr(gpulab, "compare", lambda baseline, candidate, *, labels, **kwargs: pairs[labels[1]])
+    scope = lesson04(monkeypatch, ALL)
+    scope["steps"] = 3
+    run(scope, "04", 'ResultLog("04_training_precision")')
+    logged = scope["log"].frame()
+    by_precision = logged.set_index("precision")
+    assert by_precision["median_s"].to_dict() == pytest.approx(benched)
+    assert (by_precision["paired_median_s"] * 1e3).to_dict() == pytest.approx(scope["steps_shown"]["ms per step"].to_dict())
+
+    drawn = []
+    monkeypatch.setattr(gpulab, "reference", lambda name: logged.assign(device_name="NVIDIA H200") if
+                        name == "04_training_precision" else pd.DataFrame())
+    monkeypatch.setattr(plots, "bars", lambda values, **kwargs: drawn.append((values, kwargs["title"])))
+    run(scope, "04", "Each step's MFU")
+    values, title = drawn[-1]
+    assert "NVIDIA H200; each step's median in its pairs against fp32, as above" in title
+    assert values == pytest.approx(scope["steps_shown"]["ms per step"].to_dict())
+    assert values["bf16"] / values["fp32"] == pytest.approx(1 / pairs["bf16"].speedup)
+    monkeypatch.setattr(gpulab, "reference", lambda name: logged.drop(columns="paired_median_s").assign(
+        device_name="NVIDIA H100 80GB HBM3") if name == "04_training_precision" else pd.DataFrame())
+    run(scope, "04", "Each step's MFU")  # rows shipped before the pairs were logged: the benches, said so
+    values, title = drawn[-1]
+    assert "each step benched apart, no spread" in title and values == pytest.approx({p: s * 1e3 for p, s in benched.items()})
