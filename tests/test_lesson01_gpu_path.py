@@ -368,6 +368,25 @@ def test_the_vector_add_shows_no_share_above_100_percent_and_calls_only_device_m
     assert "Faster than the copy (PyTorch x + y, Triton" in out and "stays above both" in out
 
 
+def test_an_add_less_than_two_percent_faster_than_the_copy_is_not_called_faster(on_the_stand_in, monkeypatch, capsys,
+                                                                                results_dir):
+    """gpulab.compare calls a difference beyond the noise only past 2 %: an add whose pairs put it at 1.002–1.008× the
+    copy's bandwidth was printed "Faster than the copy (…, beyond the noise)" beside that interval."""
+    scope = define(on_the_stand_in, "peak_gbs = None", "of_ceiling")
+    monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(min(n, 4096)))
+    bench, _ = h200_timings(scope)
+
+    def compare(baseline, candidate, labels, **options):  # the add moves its bytes at 1.005× the copy's speed
+        return gpulab.Comparison.of([1 + j for j in (-0.003, 0, 0.003, -0.001, 0.001)], [1.5 / 1.005] * 5,
+                                    labels=labels)
+
+    scope.update(peak_gbs=H200_PEAK_GBS, have_triton=False, cuda_add=None,
+                 gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
+    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    out = capsys.readouterr().out
+    assert "1.00×" in out and "Faster than the copy" not in out, out
+
+
 def test_a_bandwidth_becomes_a_share_of_the_ceiling_in_one_place_that_never_says_more_than_100_percent():
     """The H200's largest cold copy (4188 GB/s) was printed as 87 % of the theoretical 4814 GB/s in section 1 and in
     the summary, each dividing by the ceiling itself, where only the vector add's table refused a share above 100 %."""
