@@ -30,6 +30,7 @@ from gpulab.questions.observe import simulated_gpu
 from gpulab.questions.stand_in import virtual_clock
 
 from .conftest import ROOT, shown_solution
+from .test_mfu_lessons_03_04 import code, run
 
 NOTEBOOK = ROOT / "notebooks" / "01_cuda_basics.ipynb"
 SOLUTIONS = ROOT / "solutions" / "01_cuda_basics.ipynb"
@@ -228,24 +229,10 @@ def test_on_a_gpu_the_sweep_times_warm_and_cold_copies_alone_between_events(h200
 
 # ----- a GPU's queue with the H200's costs injected (gpulab.questions.observe.simulated_gpu, on a virtual clock) ------
 
-def code(marker: str) -> str:
-    """The source of the one code cell of lesson 01 that contains ``marker``."""
-    found = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code" and marker in c.source]
-    assert len(found) == 1, f"{len(found)} code cells of lesson 01 contain {marker!r}"
-    return found[0]
-
-
-def run(scope: dict, *markers: str) -> dict:
-    """Run the lesson's cells that contain ``markers``, in order, in ``scope`` (the notebook's globals)."""
-    for marker in markers:
-        exec(compile(code(marker), f"<lesson 01: {marker}>", "exec"), scope)
-    return scope
-
-
 def define(scope: dict, marker: str, *functions: str) -> dict:
     """Run only the functions ``functions`` of the cell with ``marker``, and its constants (top-level assignments of
     a value written out, such as ``hold_cycles = 2**21``)."""
-    tree = ast.parse(code(marker))
+    tree = ast.parse(code("01", marker))
     constant = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.Tuple)
     kept = [node for node in tree.body if getattr(node, "name", None) in functions or isinstance(node, ast.Assign)
             and isinstance(node.value, constant) and not any(isinstance(n, ast.Name) for n in ast.walk(node.value))]
@@ -261,7 +248,7 @@ def on_the_stand_in(cuda_stand_in, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the setup cell sets it where tensors live on the host: put back after
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     scope = {"__name__": "__main__", "device": torch.device("cpu"), "gpulab": gpulab}
-    run(scope, "def crossover(verdicts)")
+    run(scope, "01", "def crossover(verdicts)")
     scope["displayed"] = []
     scope["display"] = scope["displayed"].append
     yield scope
@@ -357,7 +344,7 @@ def test_the_vector_add_shows_no_share_above_100_percent_and_calls_only_device_m
     bench, compare = h200_timings(scope)
     scope.update(peak_gbs=H200_PEAK_GBS, have_triton=True, triton_add=torch.add, cuda_add=torch.add,
                  gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
-    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    run(scope, "01", "add_log = gpulab.ResultLog(\"01_vector_add\")")
     out = capsys.readouterr().out
     shares = [float(p) for p in re.findall(r"(\d+(?:\.\d+)?)\s?%", out)]
     assert shares and max(shares) <= 100, out
@@ -382,7 +369,7 @@ def test_an_add_less_than_two_percent_faster_than_the_copy_is_not_called_faster(
 
     scope.update(peak_gbs=H200_PEAK_GBS, have_triton=False, cuda_add=None,
                  gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
-    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    run(scope, "01", "add_log = gpulab.ResultLog(\"01_vector_add\")")
     out = capsys.readouterr().out
     assert "1.00×" in out and "Faster than the copy" not in out, out
 
@@ -407,7 +394,7 @@ def test_without_a_reported_memory_clock_no_ceiling_is_shown_and_the_copy_stays_
     bench, compare = h200_timings(scope)
     scope.update(peak_gbs=None, have_triton=False, cuda_add=None,
                  gpulab=SimpleNamespace(**{**vars(gpulab), "bench": bench, "compare": compare}))
-    run(scope, "add_log = gpulab.ResultLog(\"01_vector_add\")")
+    run(scope, "01", "add_log = gpulab.ResultLog(\"01_vector_add\")")
     out = capsys.readouterr().out
     assert not re.search(r"\d\s?%", out.split("Reference")[0]), out
     assert "1.04×" in out and "no ceiling is shown" in out
@@ -452,7 +439,7 @@ def test_the_waits_are_measured_with_work_left_in_the_queue_and_agree_with_the_s
     must be measured as waiting, the sum as not, and the two cells must say the same."""
     scope = on_the_stand_in
     with virtual_clock(), simulated_gpu() as gpu, QueuedTorch(gpu):
-        run(scope, "def wall_seconds(synchronize)", "def blocked_ms(call", 'set_sync_debug_mode("warn")')
+        run(scope, "01", "def wall_seconds(synchronize)", "def blocked_ms(call", 'set_sync_debug_mode("warn")')
     out = capsys.readouterr().out
     verdicts = dict(re.findall(r"^(\S+(?: \S+)?)\s+waited .*  (waits for the GPU|returns at once|unclear.*)$", out, re.M))
     assert verdicts == {"x.sum()": "returns at once", "x.sum().item()": "waits for the GPU",
@@ -468,7 +455,7 @@ def test_with_an_empty_queue_no_call_is_said_to_wait_or_not(on_the_stand_in, cap
     """On the stand-in (a CPU: work is done when the call returns) nothing is queued: no verdict is given."""
     scope = on_the_stand_in
     scope.update(timings={"torch.cuda.synchronize()": 1e-3, "no synchronize": 1e-3}, work=lambda: None)
-    run(scope, "def blocked_ms(call")
+    run(scope, "01", "def blocked_ms(call")
     out = capsys.readouterr().out
     assert "Nothing was left in the queue" in out and scope["waits"] == {}
 
