@@ -34,6 +34,12 @@ SURFACE = (
             "and output buffers, the optimizer's lr in a tensor; torch's notes/cuda.rst, 'Whole-network capture'",
             "lesson 08 full mode: the 'whole step in a CUDA graph' step runs, trains the same losses as eager and is "
             "faster"),
+    GpuOnly("Lesson 08's check counting a captured step: the hooks' counting kernels recorded into the graph",
+            ("is_current_stream_capturing",),
+            "torch/cuda/graphs.py (graph): kernels launched during capture, the hooks' included, are replayed; backward "
+            "and AccumulateGrad's post-hooks run on the capture stream (torch's notes/cuda.rst, 'Stream semantics of "
+            "backward passes'; torch/csrc/autograd/engine.cpp)",
+            "lesson 08's check of an answer that captures its step counts epochs × images"),
     GpuOnly("torch.compile(mode='reduce-overhead'): CUDA graph trees, their output reuse and gradient accumulation",
             ("reduce-overhead", "torch.compiler.cudagraph_mark_step_begin"),
             "torch/_inductor/cudagraph_trees.py: a new generation frees the last one's outputs (format_dealloc_msg; "
