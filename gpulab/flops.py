@@ -405,7 +405,7 @@ def _measure_ceiling(precision: str, device: torch.device, shapes: tuple, second
         best = max(by_shape, key=by_shape.get)
         burst = _burst(_products(precision, *best, device)[kernel[best]], matmul_flops(*best), by_shape[best], device)
     sustained = Timed(by_shape[best], watched[best])
-    chosen = burst if burst.tflops >= sustained.tflops else sustained  # a burst below it: the clocks had not recovered
+    chosen = burst if burst.tflops >= sustained.tflops else sustained  # a burst below it: clocks not back up, or noise
     name = device_info(device).name
     return Ceiling(precision, chosen.tflops, best, by_shape, name, datasheet(name, precision) if gpu else None,
                    chosen.conditions, burst=burst, sustained=sustained)
