@@ -3,6 +3,7 @@ import time
 import pytest
 import torch
 
+import gpulab
 from gpulab import bench
 
 
@@ -263,3 +264,22 @@ def test_compare_waits_for_every_gpu_in_use_not_only_the_current_one(monkeypatch
     gpus = TwoGpus(monkeypatch, used=(1,))
     c = compare(lambda: None, lambda: None, pairs=5, number=1, device="cpu")
     assert c.pairs == 5 and gpus.synced and set(gpus.synced) == {1}
+
+
+def test_a_cold_cache_run_on_the_cpu_and_between_a_gpus_events(course_device, monkeypatch):
+    """bench(cache="cold") flushes a buffer twice the last-level cache (the played H200's 60 MiB L2: at least 256 MiB,
+    as triton does) and times the call alone, between events on the GPU's stream where there is one."""
+    from gpulab import timing
+
+    flushes = []
+    real_flush = timing._cache_flush
+    monkeypatch.setattr(timing, "_cache_flush", lambda device: flushes.append(real_flush(device)) or flushes[-1])
+    recorded = []
+    if gpulab.on_gpu(course_device):
+        event = torch.cuda.Event
+        monkeypatch.setattr(torch.cuda, "Event", lambda **kw: recorded.append(kw) or event(**kw))
+    m = bench(lambda: None, warmup=1, repeats=3, cache="cold", device=course_device)
+    flushed = flushes[0].__self__.numel()
+    assert m.runs == 3 and m.cache == "cold"
+    assert flushed == (256 * 2**20 if gpulab.on_gpu(course_device) else 2 * (timing.cpu_cache_bytes() or 128 * 2**20))
+    assert recorded == ([{"enable_timing": True}] * 6 if gpulab.on_gpu(course_device) else [])
