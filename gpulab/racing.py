@@ -198,13 +198,15 @@ class SeedSpread:
 
     @property
     def floor(self) -> float:
-        """The accuracy a run of the same training reaches 95 % of the time: the mean less the margin."""
-        return self.mean - self.margin
+        """The accuracy a run of the same training reaches 95 % of the time: the mean less the margin, and never below
+        0 (a margin wider than the mean bounds nothing)."""
+        return max(self.mean - self.margin, 0.0)
 
     def __str__(self) -> str:
         shown = ", ".join(f"{a:.1%}" for a in self.accuracies)
+        unbounded = ": the seeds lie too far apart to bound a run's accuracy" if self.margin > self.mean else ""
         return (f"{len(self.accuracies)} seeds: {shown}; mean {self.mean:.1%}, standard deviation "
-                f"{self.sd * 100:.2g} points, margin {self.margin * 100:.2g} points (floor {self.floor:.1%})")
+                f"{self.sd * 100:.2g} points, margin {self.margin * 100:.2g} points (floor {self.floor:.1%}{unbounded})")
 
 
 @dataclass

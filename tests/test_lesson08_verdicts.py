@@ -90,6 +90,14 @@ def test_the_seeds_spread_gives_a_students_t_prediction_margin():
     assert math.isnan(racing.SeedSpread((0.9,)).margin)
 
 
+def test_a_spread_wider_than_its_mean_gives_a_floor_of_0_not_a_negative_accuracy():
+    """Quick mode's tiny network can leave a seed far below the others: the margin then exceeds the mean, and the floor
+    (the target a numeric step must reach) printed as a negative accuracy."""
+    spread = racing.SeedSpread((0.95, 0.20, 0.97))
+    assert spread.margin > spread.mean and spread.floor == 0.0
+    assert "floor 0.0%: the seeds lie too far apart to bound a run's accuracy" in str(spread) and "-" not in str(spread)
+
+
 def test_the_loss_gap_compares_the_first_rounds_step_by_step():
     assert racing.loss_gap(((1.0, 2.0), (9.0,)), ((1.5, 1.0), (0.0,))) == pytest.approx(0.75)  # later rounds: not used
     assert racing.loss_gap(((1.0, 2.0),), ((1.0, 2.0),)) == 0.0 and math.isnan(racing.loss_gap((), ((1.0,),)))
