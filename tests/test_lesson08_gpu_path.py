@@ -59,7 +59,7 @@ def test_the_lessons_gpu_branches_run_on_the_stand_in_up_to_the_graph_capture_an
     name, options, _ = lesson["STEPS"][-1]
     lesson["STEPS"][-1] = (name, options, "GPU only: the CUDA stand-in cannot capture a graph")
 
-    run(lesson, "08", "budget = racing.Budget", "path = racing.Path(", "first = path.results", "plots.waterfall(",
+    run(lesson, "08", "for seed in capstone.NOISE_SEEDS", "path = racing.Path(", "first = path.results", "plots.waterfall(",
         "final, final_options = path.current", "def why(row)")
     rows = pd.DataFrame(lesson["path"].rows).set_index("step")
     raced = [step for step, _, not_here in lesson["STEPS"] if not not_here]

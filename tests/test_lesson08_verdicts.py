@@ -188,7 +188,8 @@ def test_a_run_stopped_mid_path_has_logged_every_verdict_it_gave(lesson, monkeyp
         scope["rates"][candidate[0]] = 1e9
         return a_race(3.0)
 
-    scope.update(noise=noise, race=race, rates={"naive job": 1e9, "data on the GPU": 1e9}, budget=racing.Budget(60.0),
+    scope.update(noise=noise, race=race, rates={"naive job": 1e9, "data on the GPU": 1e9},
+                 noise_s=capstone.BUDGET_S - 60.0,
                  STEPS=[("fast", {"pipeline": "device"}, None), ("GPU only", {"graph": True}, "CUDA only"),
                         ("slow", {"fused": True}, None), ("stopped here", {"compile": "default"}, None)])
     with pytest.raises(KeyboardInterrupt):
@@ -196,6 +197,32 @@ def test_a_run_stopped_mid_path_has_logged_every_verdict_it_gave(lesson, monkeyp
     logged = pd.read_csv(results_dir / "08_capstone.csv")
     assert logged.step.tolist() == ["fast", "GPU only", "slow"] and scope["path"].running == "stopped here"
     assert logged.note.tolist()[:2] == ["kept", "CUDA only"] and logged.judged_on[0] == "losses"
+
+
+def test_time_spent_reading_the_plan_before_running_the_path_costs_no_race(lesson, monkeypatch, results_dir):
+    """Full mode's budget was started in the noise's cell, whose plan a learner reads before running the path's: a
+    few minutes' reading left "0 s of the lesson's budget" and every race after the first was refused. The noise's
+    seconds count; the time between the cells does not. (A fake clock: the learner reads for ten minutes.)"""
+    now = [0.0]
+
+    class Clocked(racing.Budget):
+        def left(self) -> float:
+            return self.seconds - (now[0] - self.started)
+
+    monkeypatch.setattr(racing, "Budget", lambda seconds: Clocked(seconds, started=now[0]))
+    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
+    scope = run(dict(lesson, quick_mode=lambda: False, display=lambda *a: None), "08", "def session(")  # bound here
+
+    def race(current, candidate):
+        scope["rates"][candidate[0]] = 1e9
+        return a_race(3.0)
+
+    scope.update(session=lambda options, seed=0: (iter([[2.0, 1.9]] * 9), lambda: 0.9), race=race,
+                 STEPS=[("fast", {"pipeline": "device"}, None), ("fused", {"fused": True}, None)])
+    run(scope, "08", "for seed in capstone.NOISE_SEEDS")  # the noise (injected runs) and the plan
+    now[0] += 600.0
+    run(scope, "08", "path = racing.Path(")
+    assert [row["note"] for row in scope["path"].rows] == ["kept", "kept"]
 
 
 # ----- the time plan: full mode within 3 minutes on an H100 or H200 -------------------------------------------------
