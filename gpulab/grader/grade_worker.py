@@ -22,6 +22,7 @@ def main() -> int:
     import warnings
     from pathlib import Path
 
+    _without_iri_checker()
     import nbformat
 
     _end_with_parent()
@@ -100,6 +101,13 @@ def _load(path):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _without_iri_checker() -> None:
+    """Keep jsonschema (which nbformat imports) from loading rfc3987_syntax, its optional IRI checker, which builds
+    its Earley parsers on import: about 1.5 s of CPU in every worker (python-jsonschema/jsonschema#1428). jsonschema
+    skips a checker whose import fails; nbformat checks no formats, so nothing that runs here changes."""
+    sys.modules.setdefault("rfc3987_syntax", None)  # None in sys.modules: importing it raises ImportError
 
 
 def _end_with_parent() -> None:

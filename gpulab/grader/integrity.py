@@ -361,4 +361,5 @@ def reference() -> dict:
 if __name__ == "__main__":
     import json
 
+    sys.modules.setdefault("rfc3987_syntax", None)  # as grade_worker._without_iri_checker: gpulab's modules load 1.5 s sooner
     print(json.dumps(reference()))
