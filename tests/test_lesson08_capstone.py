@@ -194,3 +194,33 @@ def test_the_path_never_retries_a_step_over_a_later_kept_one():
     goes through racing.Path, whose test shows the retry refused (tests/test_racing.py)."""
     source = code("08", "path = racing.Path(")
     assert "path.step(" in source and "path.again(" in source and "racing.Path(race, judge=judge" in source
+
+
+def test_each_step_that_did_not_help_is_explained_from_the_trace_of_the_configuration_it_was_raced_on(monkeypatch,
+                                                                                                        capsys):
+    """Each dropped step reads the busy share of the configuration kept before it (measured once, the ends of the path
+    reused), and says which side set the pace in words true of any step: a sync removed on a CPU-bound configuration
+    was told 'making the GPU's work faster cannot show'."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    rows = [{"step": "data on the GPU", "kept": True},
+            {"step": "channels_last + autocast", "kept": False, "note": racing.SLOWER_HERE, "vs_previous": 0.9},
+            {"step": "no per-step sync", "kept": False, "note": racing.WITHIN_NOISE, "vs_previous": 1.0},
+            {"step": "fused SGD", "kept": True},
+            {"step": "no per-step sync (again)", "kept": False, "note": racing.WITHIN_NOISE, "vs_previous": 1.01}]
+    kept = {"data on the GPU": {"pipeline": "device"}, "fused SGD": {"pipeline": "device", "fused": True}}
+    path = types.SimpleNamespace(rows=rows, options_of=kept.get)
+    profiled = []
+    monkeypatch.setattr(busy, "measure", lambda step, label, **kw: profiled.append((label, step)) or busy.Busy(
+        label, 10, 5.0, 0.3))
+    scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
+    scope.update(path=path, final="fused SGD", busy_naive=busy.Busy("naive job", 20, 9.0, 0.1),
+                 busy_final=busy.Busy("optimised", 20, 1.0, 0.95), one_step_of=lambda options: options)
+    capsys.readouterr()
+    run(scope, "08", "def why(row)")
+    assert profiled == [("data on the GPU", {"pipeline": "device"})]  # once, for both steps raced on it
+    lines = capsys.readouterr().out.splitlines()
+    cpu = ("raced on 'data on the GPU', whose GPU ran kernels 30% of each step: the CPU set the pace: a step shows only "
+           "as far as it shortens the CPU's part (data, launches, waits)")
+    assert lines == [f"channels_last + autocast: slower here (0.90×) — {cpu}", f"no per-step sync: within noise (1.00×) — {cpu}",
+                     "no per-step sync (again): within noise (1.01×) — raced on 'fused SGD', whose GPU ran kernels 95% "
+                     "of each step: the GPU set the pace: a step shows only as far as it shortens the kernels"]
