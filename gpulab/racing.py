@@ -8,11 +8,10 @@ only) beside its steady samples per second. The first round is start-up (cuDNN's
 
 ``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
 beyond the noise and keeps the job's quality (``SameJob``: lesson 08's judge, losses for a step that changes no
-arithmetic and accuracy against the seeds' spread for one that does; ``AccuracyTarget``: a target accuracy alone;
-lesson 09 compares training losses); a step dropped for its speed is tried once more at the end when a later step was
-kept (a change can pay only once another bottleneck is gone), unless a later kept step has set the same switch
-(retrying it would undo that step). ``Budget`` plans each race's seconds before it starts and refuses one that would
-not end in the time left.
+arithmetic and accuracy against the seeds' spread for one that does; lesson 09 compares training losses); a step
+dropped for its speed is tried once more at the end when a later step was kept (a change can pay only once another
+bottleneck is gone), unless a later kept step has set the same switch (retrying it would undo that step). ``Budget``
+plans each race's seconds before it starts and refuses one that would not end in the time left.
 
 The techniques themselves are written out in the lesson's cells; this module only decides and records.
 """
@@ -134,28 +133,6 @@ def alone(run, *, rounds: int, samples_per_round: int, label: str = "", evaluate
 
 KEPT, SLOWER_HERE, WITHIN_NOISE, MISSED_TARGET = "kept", "slower here", "within noise", "missed the target"
 LOSSES_DIFFER = "losses differ"
-
-
-@dataclass
-class AccuracyTarget:
-    """Lesson 08's judge of a race: the candidate must reach the accuracy the starting job reached in the first race
-    (``baseline``), less ``margin``; ``value`` is that target once the first race has set it."""
-
-    margin: float
-    value: float | None = None
-    baseline: Run | None = None
-
-    def __call__(self, raced: Race) -> str | None:
-        """None when the candidate reached the target, else why it was not kept."""
-        if self.value is None:
-            self.baseline, self.value = raced.baseline, raced.baseline.final_accuracy - self.margin
-        return None if raced.candidate.final_accuracy >= self.value else MISSED_TARGET
-
-    def row(self, raced: Race, options: dict | None = None) -> dict:
-        """The columns of a step's row: the candidate's speed, start-up, time to the target and accuracy."""
-        run = raced.candidate
-        return {"samples_per_s": run.samples_per_s, "startup_s": run.startup_s,
-                "time_to_target_s": run.time_to(self.value), "accuracy": run.final_accuracy}
 
 
 def steps_of(rounds) -> list[float]:
@@ -287,9 +264,9 @@ class Path:
 
     ``run(current, candidate)`` races two configurations, ``(name, options)`` each; the result has a ``comparison``
     (the candidate's speed-up). ``judge(result)`` says whether the candidate kept the job's quality: None when it
-    did, else the note that says why not ("missed the target", "loss differs"). A step is kept when the candidate is
+    did, else the note that says why not ("missed the target", "losses differ"). A step is kept when the candidate is
     faster beyond the noise and ``judge`` has nothing against it. ``row(result, options)`` gives the step's measured
-columns (``options``: the candidate's whole configuration).
+    columns (``options``: the candidate's whole configuration).
     ``rows`` holds one row per step (and per retry), ``results`` each race's result by step, ``current`` the
     configuration kept so far (its options may be None: the starting job, written out apart). ``log(row, result)``,
     where given, is called as each verdict is given (``result``: None for a step that did not run), so that a run cut

@@ -8,7 +8,7 @@ import pytest
 
 from gpulab import racing
 from gpulab.comparison import Comparison
-from gpulab.racing import AccuracyTarget, Path, Race, Run
+from gpulab.racing import MISSED_TARGET, Path, Race, Run
 
 
 class FakeClock:
@@ -67,6 +67,19 @@ def raced(speedup: float, accuracy: float, noisy: bool = False) -> Race:
     return Race(c, Run("kept", (2.0, *base), (0.9,) * 6, 100), Run("candidate", (2.0, *cand), rising, 100))
 
 
+class Reaches:
+    """A judge for these tests: the candidate's last accuracy must reach ``value``."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def __call__(self, raced: Race) -> str | None:
+        return None if raced.candidate.final_accuracy >= self.value else MISSED_TARGET
+
+    def row(self, raced: Race, options: dict | None = None) -> dict:
+        return {"samples_per_s": raced.candidate.samples_per_s, "time_to_target_s": raced.candidate.time_to(self.value)}
+
+
 def scripted(outcomes):
     """A Path.run that answers each race from ``outcomes`` (by the candidate's name) and records what it raced."""
     raced_pairs = []
@@ -80,7 +93,7 @@ def scripted(outcomes):
 def test_a_step_is_kept_when_faster_beyond_the_noise_and_on_target():
     run, pairs = scripted({"fast": raced(2.0, 0.95), "noisy": raced(1.0, 0.95, noisy=True),
                            "slow": raced(0.5, 0.95), "broken": raced(3.0, 0.60)})
-    target = AccuracyTarget(margin=0.0, value=0.9)
+    target = Reaches(0.9)
     path = Path(run, judge=target, row=target.row, current=("naive", {"a": 0}))
     notes = [path.step(name, {name: 1})["note"] for name in ("fast", "noisy", "slow", "broken")]
     assert notes == ["kept", "within noise", "slower here", "missed the target"]
@@ -93,12 +106,10 @@ def test_a_step_is_kept_when_faster_beyond_the_noise_and_on_target():
     assert row["time_to_target_s"] == 3.0  # 2 s of start-up, two epochs of 0.5
 
 
-def test_without_a_target_the_first_race_sets_it_from_the_starting_jobs_accuracy():
+def test_the_path_keeps_each_race_and_the_options_of_each_kept_configuration():
     run, pairs = scripted({"fast": raced(2.0, 0.95), "broken": raced(3.0, 0.84)})
-    target = AccuracyTarget(margin=0.05)
-    path = Path(run, judge=target, row=target.row, current=("naive job", None))
+    path = Path(run, judge=Reaches(0.85), current=("naive job", None))
     path.step("fast", {"fast": 1})
-    assert target.value == pytest.approx(0.85) and target.baseline.final_accuracy == 0.9  # the kept side's accuracy
     assert pairs[0] == (("naive job", None), ("fast", {"fast": 1}))
     assert path.step("broken", {"broken": 1})["note"] == "missed the target"
     assert path.options_of("fast") == {"fast": 1} and path.options_of("naive job") is None
@@ -107,7 +118,7 @@ def test_without_a_target_the_first_race_sets_it_from_the_starting_jobs_accuracy
 
 def test_a_step_that_cannot_run_here_is_a_row_that_says_why_and_races_nothing():
     run, pairs = scripted({})
-    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
+    path = Path(run, judge=Reaches(0.9))
     row = path.step("CUDA graphs", {"graph": True}, not_here="CUDA only")
     assert row == {"step": "CUDA graphs", "kept": False, "note": "CUDA only"} and pairs == []
 
@@ -115,7 +126,7 @@ def test_a_step_that_cannot_run_here_is_a_row_that_says_why_and_races_nothing():
 def test_a_dropped_step_is_retried_once_after_a_later_step_is_kept():
     run, pairs = scripted({"no sync": raced(1.0, 0.95, noisy=True), "data on the GPU": raced(3.0, 0.95),
                            "no sync (again)": raced(1.5, 0.95), "slow": raced(0.5, 0.95)})
-    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
+    path = Path(run, judge=Reaches(0.9))
     path.step("no sync", {"sync": False})
     path.step("data on the GPU", {"data": "gpu"})
     again = path.again()
@@ -127,7 +138,7 @@ def test_a_dropped_step_is_not_retried_where_it_would_undo_a_later_kept_step():
     """Lesson 08 on the H200 retried "torch.compile" (compile="default") after "CUDA graphs" (compile="reduce-overhead")
     was kept: the retry raced the kept step minus its CUDA graphs."""
     run, pairs = scripted({"torch.compile": raced(0.9, 0.95, noisy=True), "CUDA graphs": raced(1.3, 0.95)})
-    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
+    path = Path(run, judge=Reaches(0.9))
     path.step("torch.compile", {"compile": "default"})
     path.step("CUDA graphs", {"compile": "reduce-overhead"})
     again = path.again()
@@ -138,7 +149,7 @@ def test_a_dropped_step_is_not_retried_where_it_would_undo_a_later_kept_step():
 
 def test_nothing_is_retried_when_nothing_was_kept_after_it_or_when_it_missed_the_target():
     run, pairs = scripted({"a": raced(1.0, 0.95, noisy=True), "b": raced(5.0, 0.5)})
-    path = Path(run, judge=AccuracyTarget(0.0, 0.9))
+    path = Path(run, judge=Reaches(0.9))
     path.step("a", {"a": 1})
     path.step("b", {"b": 1})  # fast, but below the target: dropped for its accuracy, never retried
     assert path.again() == [] and len(pairs) == 2
@@ -166,7 +177,7 @@ def test_each_verdict_is_logged_as_it_is_given_so_a_run_cut_off_keeps_what_it_de
             raise KeyboardInterrupt  # the verification's time limit stops the kernel here
         return {"fast": raced(2.0, 0.95), "slow": raced(0.5, 0.95)}[candidate[0]]
 
-    target = AccuracyTarget(margin=0.0, value=0.9)
+    target = Reaches(0.9)
     path = Path(run, judge=target, row=target.row, current=("naive", None), log=lambda row, result: logged.append(
         (row["step"], row["note"], result is not None)))
     path.step("fast", {"fast": 1})
