@@ -324,7 +324,8 @@ def test_a_lesson_stopped_at_its_limit_says_so_and_a_kernel_that_died_on_its_own
     outcome = verify_jobs.run_lesson(lesson, {}, 0.3 if stopped else 60, tmp_path / "kernel.log")
     if stopped:
         assert outcome.status == "timed out"
-        assert outcome.detail == "stopped at its 0.0-minute limit while code cell 7 ran"
+        assert outcome.detail == ("stopped at its 0.0-minute limit while code cell 7 ran (its last output: "
+                                  "optimisation path:   0%|          | 0/7 [00:00<?, ?it/s])")
     else:
         assert outcome.status == "FAILED" and outcome.detail == KERNEL_DIED
     assert outcome.notebook == executed
@@ -333,11 +334,29 @@ def test_a_lesson_stopped_at_its_limit_says_so_and_a_kernel_that_died_on_its_own
 def test_the_h200_run_of_lesson_08_was_stopped_while_code_cell_7_ran():
     executed = (H200_RUN / "full-08" / "08_capstone.ipynb").read_text()
     assert verify_jobs.running_cell(executed) == 7  # the optimisation path: sent to the kernel, no reply came
-    assert verify_jobs.stopped_at(360, executed) == "stopped at its 6.0-minute limit while code cell 7 ran"
+    progress = "optimisation path:   0%|          | 0/7 [00:00<?, ?it/s]"  # the cell's progress bar
+    assert verify_jobs.stopped_at(360, executed) == ("stopped at its 6.0-minute limit while code cell 7 ran (its last "
+                                                     f"output: {progress})")
     finished = nbformat.writes(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]))
     assert verify_jobs.stopped_at(90, finished) == verify_jobs.stopped_at(90, None) == "stopped at its 1.5-minute limit"
     shipped = pd.read_csv(H200_RUN / "full-08" / "verify_gpu.csv")  # as the run wrote it, before this was fixed
     assert shipped.loc[0, "detail"] == f"stopped at its 6.0-minute limit ({KERNEL_DIED})"
+
+
+def test_a_lesson_stopped_mid_path_names_the_step_it_was_running_from_its_last_output():
+    """Lesson 08 prints each race as it starts: stopped at its limit, the summary names the step, not only the cell."""
+    started = {"execution": {"iopub.execute_input": "2026-11-28T04:45:00Z"}}
+    ran = {"execution": {**started["execution"], "shell.execute_reply": "2026-11-28T04:45:01Z"}}
+    printed = "racing fused SGD: planned 7 s, 60 s left\nracing torch.compile: planned 32 s, 40 s left\n"
+    cells = [nbformat.v4.new_code_cell("print(1)", metadata=ran, outputs=[nbformat.v4.new_output("stream", text="1\n")]),
+             nbformat.v4.new_code_cell("path.step(...)", metadata=started, outputs=[
+                 nbformat.v4.new_output("stream", name="stdout", text=printed),
+                 nbformat.v4.new_output("stream", name="stderr", text="\n")]),
+             nbformat.v4.new_code_cell("print(3)")]
+    executed = nbformat.writes(nbformat.v4.new_notebook(cells=cells))
+    assert verify_jobs.stopped_at(360, executed) == ("stopped at its 6.0-minute limit while code cell 2 ran (its last "
+                                                     "output: racing torch.compile: planned 32 s, 40 s left)")
+    assert verify_jobs.last_output_line(cells[1], width=20) == "racing torch.comp..."
 
 
 def test_a_command_is_stopped_with_everything_it_started(tmp_path):

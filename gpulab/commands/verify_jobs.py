@@ -154,22 +154,41 @@ def run_lesson(notebook: Path, env: dict, limit: float, kernel_log: Path) -> Out
 
 
 def stopped_at(limit: float, notebook: str | None) -> str:
-    """What a lesson stopped at its limit says: the limit, and the code cell it was running where the executed
-    ``notebook`` shows it."""
-    cell = running_cell(notebook) if notebook else None
-    return f"stopped at its {limit / 60:.1f}-minute limit" + (f" while code cell {cell} ran" if cell else "")
+    """What a lesson stopped at its limit says: the limit, and where the executed ``notebook`` shows them, the code
+    cell it was running and that cell's last line of output (lesson 08 prints each race as it starts: the step that
+    was running)."""
+    said = f"stopped at its {limit / 60:.1f}-minute limit"
+    found = _running(nbformat.reads(notebook, as_version=4)) if notebook else None
+    if found is None:
+        return said
+    number, cell = found
+    last = last_output_line(cell)
+    return f"{said} while code cell {number} ran" + (f" (its last output: {last})" if last else "")
 
 
 def running_cell(notebook: str) -> int | None:
     """The number of the code cell that had started and not ended in an executed notebook (by nbclient's timing
     metadata: its input went to the kernel, no reply came back), as "code cell N" counts; None if none."""
-    nb = nbformat.reads(notebook, as_version=4)
+    found = _running(nbformat.reads(notebook, as_version=4))
+    return found[0] if found else None
+
+
+def _running(nb) -> tuple[int, dict] | None:
     code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
     for number, cell in enumerate(code_cells, 1):
         timing = cell.get("metadata", {}).get("execution", {})
         if "iopub.execute_input" in timing and "shell.execute_reply" not in timing:
-            return number
+            return number, cell
     return None
+
+
+def last_output_line(cell: dict, width: int = 100) -> str:
+    """The last non-blank line a cell printed or displayed as text (a progress bar's last state), cut to ``width``."""
+    texts = [out.get("text", "") if out.get("output_type") == "stream" else out.get("data", {}).get("text/plain", "")
+             for out in cell.get("outputs", [])]
+    lines = [line.strip() for text in texts for line in text.splitlines()]  # a progress bar's \r ends a line too
+    last = next((line for line in reversed(lines) if line), "")
+    return last if len(last) <= width else last[:width - 3] + "..."
 
 
 def run_command(argv: list[str], env: dict, limit: float, log_path: Path) -> Outcome:
