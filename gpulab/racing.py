@@ -140,11 +140,11 @@ def steps_of(rounds) -> list[float]:
     return [float(x) for r in rounds for x in (r if isinstance(r, Sequence) else [r])]
 
 
-def loss_gap(a, b) -> float:
-    """How far two runs' first-round training losses lie apart: the mean absolute difference, step by step, of the
-    first rounds' losses (``a`` and ``b``: each run's rounds, as ``Run.losses``); NaN if either has none."""
-    first_a, first_b = steps_of(a[:1]), steps_of(b[:1])
-    pairs = list(zip(first_a, first_b))
+def loss_gap(a, b, steps: int | None = None) -> float:
+    """How far two runs' first training losses lie apart: the mean absolute difference, step by step, of the first
+    ``steps`` losses of their first rounds (all of the first round where None; ``a`` and ``b``: each run's rounds, as
+    ``Run.losses``); NaN if either has none."""
+    pairs = list(zip(steps_of(a[:1])[:steps], steps_of(b[:1])[:steps]))
     return statistics.fmean(abs(x - y) for x, y in pairs) if pairs else nan
 
 
@@ -191,15 +191,17 @@ class SameJob:
     """Lesson 08's judge: whether a candidate still trains the job.
 
     A step that changes no arithmetic (``Race.same_arithmetic``) trains the same network on the same images in the same
-    order, so from the same seed its losses follow the kept configuration's: over the first round their gap
-    (``loss_gap``) must stay within ``share`` of the gap another seed shows (``Race.other_seed``), the tolerance of that
-    race; its one-seed accuracy decides nothing (it varies as much as a seed's). A step that changes the numerics
+    order, so from the same seed its losses follow the kept configuration's: over the first ``steps`` steps (training
+    amplifies rounding's differences as it goes) their gap (``loss_gap``) must stay within ``share`` of the gap another
+    seed shows (``Race.other_seed``), the tolerance of that race; its one-seed accuracy decides nothing (it varies as
+    much as a seed's). A step that changes the numerics
     (precision, batch and learning rate) must reach the floor of the seeds' spread: ``spread`` holds the accuracies of
     ``seeds`` (other seeds of the starting job, measured before the path) and the first race's baseline; ``target``
     is that floor, the accuracy the time to target is measured to."""
 
     seeds: tuple[float, ...] = ()
     share: float = 0.1
+    steps: int | None = None
     spread: SeedSpread | None = None
     baseline: Run | None = None
 
@@ -208,15 +210,15 @@ class SameJob:
         return self.spread.floor if self.spread else nan
 
     def tolerance(self, raced: Race) -> float:
-        """``share`` of the first-round loss gap between the baseline and another seed of its configuration."""
-        return self.share * loss_gap(raced.baseline.losses, raced.other_seed)
+        """``share`` of the loss gap between the baseline and another seed of its configuration."""
+        return self.share * loss_gap(raced.baseline.losses, raced.other_seed, self.steps)
 
     def __call__(self, raced: Race) -> str | None:
         """None when the candidate trains the job, else why it was not kept."""
         if self.spread is None:
             self.baseline, self.spread = raced.baseline, SeedSpread((raced.baseline.final_accuracy, *self.seeds))
         if raced.same_arithmetic:
-            gap = loss_gap(raced.baseline.losses, raced.candidate.losses)
+            gap = loss_gap(raced.baseline.losses, raced.candidate.losses, self.steps)
             return None if gap <= self.tolerance(raced) else LOSSES_DIFFER  # False for a NaN gap too
         return None if raced.candidate.final_accuracy >= self.target else MISSED_TARGET
 
@@ -228,7 +230,7 @@ class SameJob:
         return {"samples_per_s": run.samples_per_s, "startup_s": run.startup_s,
                 "time_to_target_s": run.time_to(self.target), "accuracy": run.final_accuracy,
                 "judged_on": "losses" if same else "accuracy",
-                "loss_gap": loss_gap(raced.baseline.losses, run.losses) if same else nan,
+                "loss_gap": loss_gap(raced.baseline.losses, run.losses, self.steps) if same else nan,
                 "loss_tolerance": self.tolerance(raced) if same else nan}
 
 
