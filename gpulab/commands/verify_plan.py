@@ -69,8 +69,8 @@ PLANNED = {
     "06": estimate(1.8, "the slow loop (batch 128, 6 steps) ~30 s in all, 3 torch.compile runs ~20 s, profiles and HTA "
                    "~25 s"),
     "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
-    "08": estimate(3.0, "the lesson's own plan (2026-11-28): 2.8 min on an H100 or H200, at most 3 by construction (a "
-                   "135 s budget for the noise seeds and the races, the naive job raced once at the 2026-11-28 "
+    "08": estimate(3.0, "the lesson's own plan (2026-11-28): 2.8 min on an H100 or H200 (a 135 s budget "
+                   "stops the noise seeds and the races, the naive job raced once at the 2026-11-28 "
                    "H200's ~3,250 images/s of per-sample pipeline, each step followed by the network's, the fast "
                    "rates and the compile estimated; ~45 s for the rest)"),
     "09": estimate(3.0, "from its full-mode sizes after the 2026-11-27 resize (3 ceilings, a 60-step first run, the "
