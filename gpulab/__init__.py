@@ -30,6 +30,10 @@ def setup(seed: int = 0) -> torch.device:
     mode = "quick" if quick_mode() else "full"
     print(f"gpulab {__version__} | device: {device} ({info.name}) | mode: {mode}")
     print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | Python {platform.python_version()}")
+    if not torch.cuda.is_available():
+        # the profiler's Kineto, in a CUDA build of torch on a machine without a GPU, logs "gpuGetDeviceCount failed"
+        # as an ERROR at its first use: noise here (its level 5 keeps fatal messages only; read when Kineto starts)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     if not on_gpu(device):
         sizes = "small sizes, few repetitions" if mode == "quick" else "full sizes (GPULAB_QUICK=0): slow on a CPU"
         print(f"No GPU here: the lesson runs on the CPU in {mode} mode ({sizes}). Experiments that need a GPU say "

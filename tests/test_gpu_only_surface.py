@@ -187,6 +187,7 @@ OTHER_QUESTIONS = {
     ("gpulab/doctor.py", 'return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")'):
         "the machine's own CUDA runtime is what doctor examines",
     ("gpulab/doctor.py", "if not torch.backends.cudnn.is_available():"): "whether this torch bundles cuDNN",
+    ("gpulab/__init__.py", "if not torch.cuda.is_available():"): "Kineto's own log, where CUDA finds no GPU",
     ("gpulab/commands/record.py", "if not torch.cuda.is_available():"):
         "shipped reference results come only from a real GPU, never a stand-in",
     ("gpulab/commands/verify.py", 'gpu = args.gpu or (torch.cuda.get_device_name(0) if torch.cuda.is_available() '

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -107,3 +109,15 @@ def test_under_the_stand_in_nvml_answers_for_the_same_card(cuda_stand_in):
     cuda_stand_in.nvml.pcie_now = (4, 8)  # the link now, as NVML reads it: a card that found a slower slot
     device_info.cache_clear()
     assert "now Gen4 x8" in str(device_info().pcie)
+
+
+def test_setup_quiets_kinetos_error_about_a_missing_gpu_only_where_there_is_none(monkeypatch, capsys):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpulab.setup()
+    assert os.environ["KINETO_LOG_LEVEL"] == "5"
+    monkeypatch.delenv("KINETO_LOG_LEVEL")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("GPULAB_DEVICE", "cpu")
+    gpulab.setup()
+    assert "KINETO_LOG_LEVEL" not in os.environ
