@@ -273,11 +273,11 @@ def test_a_reference_drawn_from_the_logged_rows_shows_the_step_times_the_table_s
     monkeypatch.setattr(plots, "bars", lambda values, **kwargs: drawn.append((values, kwargs["title"])))
     run(scope, "04", "Each step's MFU")
     values, title = drawn[-1]
-    assert "NVIDIA H200; each step's median in its pairs against fp32, as above" in title
+    assert "NVIDIA H200; ratios of shipped medians (each step's median in its pairs against fp32, as above)" in title
     assert values == pytest.approx(scope["steps_shown"]["ms per step"].to_dict())
     assert values["bf16"] / values["fp32"] == pytest.approx(1 / pairs["bf16"].speedup)
     monkeypatch.setattr(gpulab, "reference", lambda name: logged.drop(columns="paired_median_s").assign(
         device_name="NVIDIA H100 80GB HBM3") if name == "04_training_precision" else pd.DataFrame())
     run(scope, "04", "Each step's MFU")  # rows shipped before the pairs were logged: the benches, said so
     values, title = drawn[-1]
-    assert "each step benched apart, no spread" in title and values == pytest.approx({p: s * 1e3 for p, s in benched.items()})
+    assert "(each step benched apart), no spread" in title and values == pytest.approx({p: s * 1e3 for p, s in benched.items()})
