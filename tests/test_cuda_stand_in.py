@@ -16,7 +16,7 @@ def test_events_time_on_the_host_clock_and_refuse_as_torch_does(cuda_stand_in):
         start.elapsed_time(end)
     start.record()
     end.record(torch.cuda.current_stream())
-    assert 0 <= start.elapsed_time(end) < 1e3  # milliseconds
+    assert start.elapsed_time(end) >= 0 and isinstance(start.elapsed_time(end), float)  # milliseconds
     untimed = torch.cuda.Event()
     untimed.record()
     with pytest.raises(RuntimeError, match="enable_timing=True"):
