@@ -1,10 +1,11 @@
-"""The `gpulab` command: doctor, bench, course, grade, exercises, notebooks, claims, reference."""
+"""The `gpulab` command: doctor, bench, plan, course, grade, exercises, notebooks, claims, reference."""
 
 import argparse
 import json
 import math
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .stopping import signals_raise, stopped_status
@@ -82,6 +83,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --timers: CPU threads for every timer (default: 1)")
     p.set_defaults(run=_bench)
 
+    p = sub.add_parser("plan", help="every lesson's plan for a card (sizes, minutes, what the card lacks), without a GPU")
+    p.add_argument("--card", help="a card of gpulab.datasheets, by the name torch reports ('Tesla T4') or the sheet's "
+                   "('T4'); default: this machine's GPU")
+    p.add_argument("--cpus", type=positive(int), help="the host's CPU cores (default: this machine's for its own GPU, "
+                   "else the card's typical host: 2 for Colab's T4)")
+    p.add_argument("--gpus", type=positive(int), default=1, help="GPUs in the machine, with --card (default: 1)")
+    p.add_argument("--json", action="store_true", help="a list with one object per lesson")
+    p.set_defaults(run=_plan)
+
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
     p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
     p.add_argument("--out", type=Path, default=Path("build"))
@@ -151,6 +161,31 @@ def _bench(args) -> int:
             table[f"ref: {name}"] = table["test"].map(group.set_index("test")["value"])
             columns.append(f"ref: {name}")
     print(table[columns].astype(object).fillna("").to_string(index=False))
+    return 0
+
+
+def _plan(args) -> int:
+    from ..device import on_gpu
+    from ..plans import Card, course
+
+    if args.card:
+        try:
+            card = Card.named(args.card, cpus=args.cpus, gpus=args.gpus)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    elif on_gpu():
+        card = Card.here()
+        card = replace(card, cpu_cores=args.cpus) if args.cpus else card
+    else:
+        raise UsageError("no GPU here: name a card, e.g. --card 'Tesla T4' (gpulab.datasheets lists them)")
+    plans = course(card)
+    if args.json:
+        print(json.dumps([plan.as_dict() for plan in plans], indent=2))
+        return 0
+    for plan in plans:
+        print(plan, end="\n\n")
+    print(f"The course on {card.name}: about {sum(plan.minutes for plan in plans):.1f} minutes of running, "
+          f"lesson by lesson: " + ", ".join(f"{plan.lesson} {plan.minutes:.1f}" for plan in plans))
     return 0
 
 

@@ -1,0 +1,132 @@
+"""Each lesson planned from the learner's card (gpulab.plans): every lesson's plan for the six cards learners bring
+fits the card's memory, stays in the regime it demonstrates and fits its minutes; the lesson prints the plan that
+`gpulab plan --card` prints; the rates come from the shipped real runs."""
+
+import json
+import math
+
+import nbformat
+import pytest
+
+from gpulab import datasheets, plans
+from gpulab.commands.cli import main
+from gpulab.conditions import cpu_cores
+from gpulab.plans.card import achievable
+from gpulab.results import reference
+
+from .conftest import ROOT
+
+# Colab's T4, an L4, an 8 GB laptop card, a workshop's A100 40 GB, and the H100 and H200 the course was measured on,
+# each by the name torch reports
+CARDS = ["Tesla T4", "NVIDIA L4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA A100-SXM4-40GB",
+         "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+LONG = {"08"}  # lessons sized to 3 minutes on an H100 (6 on a T4)
+LIMITS = {"NVIDIA H100 80GB HBM3": (2.0, 3.0), "Tesla T4": (5.0, 6.0)}  # the issue's minutes: a lesson, a long one
+
+
+@pytest.fixture(params=CARDS)
+def card(request):
+    return plans.Card.named(request.param)
+
+
+@pytest.mark.parametrize("number", plans.LESSONS)
+def test_every_lesson_fits_each_card_in_memory_regime_and_minutes(card, number):
+    plan = plans.plan_for(number, card)
+    assert 0 < plan.memory_gb <= card.usable_gb(), f"{plan.memory_gb:.2f} GB planned on {card.name}"
+    failing = [f"{r.name}: {r.detail}" for r in plan.regimes if not r.holds]
+    assert not failing, failing
+    assert plan.minutes <= plan.target_minutes, str(plan)
+    if card.name in LIMITS:
+        assert plan.minutes <= LIMITS[card.name][number in LONG]
+
+
+def test_the_targets_are_the_issues_minutes():
+    t4, h100 = plans.Card.named("Tesla T4"), plans.Card.named("NVIDIA H100 80GB HBM3")
+    assert plans.lesson_plan.target_minutes(h100) == 2 and plans.lesson_plan.target_minutes(h100, long=True) == 3
+    assert plans.lesson_plan.target_minutes(t4) == 5 and plans.lesson_plan.target_minutes(t4, long=True) == 6
+
+
+def test_rates_are_the_datasheets_times_what_the_h100_reached_in_the_shipped_runs():
+    rows = reference("04_matmul_precision").query("kind == 'peak' and precision == 'fp32'")
+    share = rows["tflops"].max() / datasheets.SHEETS["H100 SXM"].tflops["fp32"]
+    assert achievable()["fp32"] == pytest.approx(share)
+    t4 = plans.Card.named("Tesla T4")
+    assert t4.tflops("fp32") == pytest.approx(8.1 * share)
+    assert t4.tflops("bf16") == 0 and t4.amp_precision == "fp16"  # no native bf16 on sm_75
+    assert 0 < achievable()["copy"] < 1 and 0 < achievable()["host"] < 1 and 0 < achievable()["fp8"] < 1
+
+
+def test_what_a_t4_lacks_is_said_and_an_h200_lacks_only_a_second_gpu():
+    features = tuple(plans.card.FEATURES)
+    t4 = plans.Card.named("Tesla T4").lacks(features)
+    assert [line.split(" (")[0].split(":")[0] for line in t4] == ["native bf16", "TF32 tensor cores", "flash attention",
+                                                                  "FP8 tensor cores", "GPM", "a second GPU"]
+    assert plans.Card.named("NVIDIA H200").lacks(features) == [plans.card.FEATURES["second gpu"]]
+    assert plans.Card.named("NVIDIA H200", gpus=8).lacks(features) == []
+
+
+def test_a_card_without_a_datasheet_is_refused_with_the_known_names():
+    with pytest.raises(ValueError, match="no datasheet for 'Radeon VII'.*Tesla|T4"):
+        plans.Card.named("Radeon VII")
+
+
+def test_quick_mode_keeps_its_fixed_sizes_and_plans_no_minutes():
+    plan = plans.plan_for("00", plans.Card("CPU", None, 2, 0), quick=True)
+    assert plan.matmul_sizes == [16, 32, 64, 128, 256, 512] and math.isnan(plan.minutes)
+    assert "Quick mode" in str(plan)
+
+
+def test_a_plan_refuses_a_size_it_does_not_have():
+    plan = plans.plan_for("00", plans.Card.named("Tesla T4"))
+    with pytest.raises(AttributeError, match="no size 'batch'.*matmul_sizes"):
+        getattr(plan, "batch")  # noqa: B009 (an attribute read that must raise)
+
+
+# ---- gpulab plan ------------------------------------------------------------------------------------------------
+
+def test_the_command_lists_every_lesson_with_its_minutes_as_json(capsys):
+    assert main(["plan", "--card", "Tesla T4", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [entry["lesson"] for entry in listed] == list(plans.LESSONS)
+    assert all(entry["minutes"] > 0 and entry["card"] == "Tesla T4" and entry["cpu_cores"] == 2 for entry in listed)
+
+
+def test_the_command_prints_the_plans_and_the_course_total(capsys):
+    assert main(["plan", "--card", "NVIDIA H200", "--cpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Lesson 00 · Setup and diagnostics: planned for NVIDIA H200" in out and "host: 4 CPU cores" in out
+    assert "The course on NVIDIA H200: about" in out
+
+
+def test_the_command_without_a_gpu_or_with_an_unknown_card_says_what_to_do(capsys):
+    assert main(["plan"]) == 2
+    assert "no GPU here: name a card" in capsys.readouterr().err
+    assert main(["plan", "--card", "Radeon VII"]) == 2
+    assert "no datasheet for 'Radeon VII'" in capsys.readouterr().err
+
+
+# ---- the lesson prints what the command prints -------------------------------------------------------------------
+
+def planning_cell(number: str) -> str:
+    path = next((ROOT / "notebooks").glob(f"{number}_*.ipynb"))
+    return next(c.source for c in nbformat.read(path, as_version=4).cells
+                if c.cell_type == "code" and "plans.lesson(" in c.source)
+
+
+@pytest.mark.parametrize("card_name", ["Tesla T4", "NVIDIA H200"])
+@pytest.mark.parametrize("number", plans.LESSONS)
+def test_the_lessons_planning_cell_prints_the_commands_plan(number, card_name, monkeypatch, capsys):
+    """The lesson's own cell, in full mode on this CPU playing the card, against `gpulab plan --card` for the card
+    with this machine's cores."""
+    from .cuda_stand_in import installed
+
+    monkeypatch.setenv("GPULAB_QUICK", "0")
+    monkeypatch.delenv("CI", raising=False)
+    scope = {"__name__": "__main__"}
+    with installed(card_name):
+        exec(compile(planning_cell(number), f"<lesson {number}: plan>", "exec"), scope)
+    printed = capsys.readouterr().out
+    assert main(["plan", "--card", card_name, "--cpus", str(cpu_cores()), "--json"]) == 0
+    command = {entry["lesson"]: entry for entry in json.loads(capsys.readouterr().out)}[number]
+    assert scope["plan"].as_dict() == command
+    assert printed.startswith(str(scope["plan"]))
