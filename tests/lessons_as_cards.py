@@ -1,0 +1,36 @@
+"""Run a whole lesson notebook in a fresh kernel on this CPU playing a named card (tests/cuda_stand_in.py), in quick
+mode: the lesson's GPU branches for that card (a T4's fp16 and GradScaler, its refused SDPA backends, no FP8, no GPM)
+run top to bottom. It proves the Python around torch.cuda's calls, never the GPU."""
+
+import os
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def first_cell(card: str) -> str:
+    """The cell that makes the kernel play ``card`` before the lesson's own setup cell runs."""
+    return (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.cuda_stand_in import install\n"
+            f"install({card!r})")
+
+
+def run_as(notebook: Path, card: str, *, timeout: int = 600) -> nbformat.NotebookNode:
+    """Execute ``notebook`` whole as ``card``, in quick mode; the executed notebook, or an AssertionError naming the
+    code cell that failed and its error."""
+    nb = nbformat.read(notebook, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(first_cell(card)))
+    env = {**os.environ, "GPULAB_QUICK": "1", "MPLBACKEND": "Agg"}
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}},
+                            env=env)
+    try:
+        client.execute(env=env)
+    except CellExecutionError as err:
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        failed = next((i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))),
+                      None)
+        raise AssertionError(f"{notebook.name} as {card}: code cell {failed} of the lesson failed:\n{err}") from None
+    return nb
