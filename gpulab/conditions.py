@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import nvml
+from .colab import on_colab
 from .device import DeviceError, get_device, on_gpu
 
 nan = math.nan
@@ -40,6 +41,9 @@ POWER = ("SW power cap", "power brake", "board limit")  # held at the power limi
 # 1380-1875 MHz (5-30 % under) at 678-706 W and 1515-1575 MHz at 554-557 W; 1920-1965 MHz only at 694-697 W.
 SLOWED, NEAR_LIMIT = 0.05, 0.95
 HEAT = ("SW thermal slowdown", "HW thermal slowdown", "HW slowdown", "thermal slowdown")
+# A card of at most this board power (a T4's 70 W, an L4's 72 W: what a PCIe slot gives without a power cable) runs
+# any sustained work at its power limit, below its top clock: its normal state, which a caveat states, not flags.
+LOW_POWER_W = 75.0
 
 
 @dataclass(frozen=True)
@@ -97,14 +101,21 @@ class Conditions:
         """Plain sentences on what the machine did while this was measured, where it matters; empty when nothing
         does."""
         said = []
-        if self.oversubscribed:
+        if self.oversubscribed and on_colab():
+            said.append(f"the CPU was oversubscribed (load average {self.load_avg:.1f} on this Colab runtime's "
+                        f"{self.cpu_cores} vCPUs: threads waited for a core, this notebook's own among them)")
+        elif self.oversubscribed:
             cores = f"{self.cpu_cores} core" + ("s" if self.cpu_cores != 1 else "")
             said.append(f"the CPU was oversubscribed (load average {self.load_avg:.1f} on {cores})")
         clocks = f"; SM clock {self.clocks()}" if self.clocks() else ""
         power = [r for r in self.throttle if r in POWER]
         heat = [r for r in self.throttle if r in HEAT]
         other = [r for r in self.throttle if r not in POWER and r not in HEAT]
-        if power and self.at_power_limit:
+        if power and self.at_power_limit and self.gpu_power_limit_w <= LOW_POWER_W:
+            limit = f"{self.gpu_power_limit_w:.0f} W"
+            said.append(f"the GPU ran at its {limit} power limit ({', '.join(power)}{clocks}), as a {limit} card runs "
+                        "any sustained work")
+        elif power and self.at_power_limit:
             said.append(f"the GPU ran at its power limit ({', '.join(power)}{clocks}), as long, dense work does")
         elif power:  # NVML raises the flag at low power too (the H200 did so on PCIe copies at 130-250 W of 700)
             drawn = (f" at {self.gpu_power_w:.0f} W of {self.gpu_power_limit_w:.0f} W"
@@ -127,8 +138,9 @@ class Conditions:
         return f", with the SM clock within {SLOWED:.0%} of its maximum ({self.clocks()})"
 
     def advice(self) -> str:
-        """What to do before trusting the number: "" when the conditions were fit to measure."""
-        if self.busy:
+        """What to do before trusting the number: "" when the conditions were fit to measure, or when nothing can be
+        done (on Colab the runtime's vCPUs are all there is: the caveat says what the load means)."""
+        if self.busy and not on_colab():
             return "rerun on a quiet machine before trusting it"
         if any(r in HEAT for r in self.throttle):
             return "check the GPU's cooling before trusting it"
