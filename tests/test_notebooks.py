@@ -11,12 +11,12 @@ import pytest
 
 from gpulab import check
 from gpulab.colab import SETUP_CELL, colab_url
-from gpulab.commands.notebook_upkeep import notebooks, stale_exercises
+from gpulab.commands.notebook_upkeep import lessons, notebooks, stale_exercises
 
 from .conftest import ROOT
 
 ALL = notebooks(ROOT)
-LESSONS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+LESSONS = lessons(ROOT)  # the numbered lessons; the pages beside them: test_measuring_page.py
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 

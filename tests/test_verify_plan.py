@@ -9,11 +9,12 @@ import pytest
 from gpulab import results
 from gpulab.commands import record, verify
 from gpulab.commands import verify_plan as planning
+from gpulab.commands.notebook_upkeep import lessons
 from gpulab.commands.verify_plan import H100, PLANNED, RESERVE_S, TARGET_MIN, estimate
 
 from .conftest import ROOT
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = lessons(ROOT)  # a page has no full-mode part: tests/test_measuring_page.py
 H200 = "NVIDIA H200"
 H200_RUN = ROOT / "tests" / "data" / "verify" / "2026-11-28-h200"  # the verification's own rows of that run
 

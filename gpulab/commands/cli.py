@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_plan)
 
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
-    p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
+    p.add_argument("notebooks", nargs="*", type=Path,
+                   help="default: every lesson (notebooks/NN_*.ipynb), then the pages (how the course measures)")
     p.add_argument("--out", type=Path, default=Path("build"))
     p.add_argument("--cell-timeout", type=positive(int), default=900, help="seconds one cell may run")
     p.set_defaults(run=_course)
@@ -192,8 +193,9 @@ def _plan(args) -> int:
 def _course(args) -> int:
     from ..grader.execute import Stopped
     from .course import run_course
+    from .notebook_upkeep import course
 
-    notebooks = args.notebooks or sorted(Path("notebooks").glob("*.ipynb"))
+    notebooks = args.notebooks or course()
     if not notebooks:
         raise UsageError("no notebooks found (run this from the repository's root)")
     _existing_files(notebooks)
@@ -298,11 +300,12 @@ def _reference(args) -> int:
 
 
 def _record(args) -> int:
+    from .notebook_upkeep import lessons
     from .record import plan, record, require_gpu
 
-    notebooks = sorted(Path("notebooks").glob("*.ipynb"))
+    notebooks = lessons()  # the lessons only: a page (how the course measures) ships no results
     if not notebooks:
-        raise UsageError("no notebooks/*.ipynb here: run it from the course's folder")
+        raise UsageError("no lessons (notebooks/NN_*.ipynb) here: run it from the course's folder")
     if not args.dry_run:
         require_gpu()
     print(plan(notebooks, args.out))

@@ -1,4 +1,5 @@
-"""Notebook upkeep: exercise notebooks generated from solutions, setup cells, stripped outputs."""
+"""Notebook upkeep: which notebooks are lessons and which are pages, exercise notebooks generated from solutions, setup
+cells, stripped outputs."""
 
 import re
 from pathlib import Path
@@ -9,6 +10,11 @@ from ..colab import SETUP_CELL
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 NOTEBOOK_DIRS = ("notebooks", "solutions", "exercises")
+# notebooks/ holds two kinds. A lesson is numbered (NN_name.ipynb): it has an exercise and a solution, writes the results
+# a full run ships as reference results, and has a plan and a place in the verification. A page is named here: every
+# lesson links to it, `make course` and `make test` run it, and it has no exercise, no solution and ships no results.
+PAGES = ("how_the_course_measures.ipynb",)
+_LESSON = re.compile(r"\d\d_.+\.ipynb")
 _REGION = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[^\n]*\n.*?^[ \t]*{re.escape(END)}[^\n]*(\n|$)", re.M | re.S)
 
 
@@ -79,6 +85,26 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 def notebooks(root: Path = Path(".")) -> list[Path]:
     return sorted(p for d in NOTEBOOK_DIRS for p in (root / d).glob("*.ipynb"))
+
+
+def is_lesson(path: Path) -> bool:
+    """Whether a notebook is a lesson: numbered, ``NN_name.ipynb``."""
+    return bool(_LESSON.fullmatch(Path(path).name))
+
+
+def lessons(root: Path = Path(".")) -> list[Path]:
+    """The lessons in ``root``/notebooks/, in order."""
+    return sorted(p for p in (root / "notebooks").glob("*.ipynb") if is_lesson(p))
+
+
+def pages(root: Path = Path(".")) -> list[Path]:
+    """The pages in ``root``/notebooks/ (``PAGES`` that exist there)."""
+    return [root / "notebooks" / name for name in PAGES if (root / "notebooks" / name).is_file()]
+
+
+def course(root: Path = Path(".")) -> list[Path]:
+    """What `gpulab course` runs: the lessons, then the pages."""
+    return lessons(root) + pages(root)
 
 
 def tidy(root: Path = Path(".")) -> list[Path]:

@@ -39,6 +39,7 @@ from ..grader.execute import clear_leftovers
 from . import record
 from . import verify_plan as planning
 from .cli import positive
+from .notebook_upkeep import is_lesson
 from .stopping import signals_raise, stopped_status
 from .verify_jobs import Job, Outcome, run_command, run_lesson, run_many
 from .verify_out import BUNDLE, MONITOR, ROOT, SUMMARY, MonitorLog, log_tail, write_bundle, write_text
@@ -81,7 +82,8 @@ def verify_parts(notebooks: list[Path], selected: list[str] | None = None, tests
              Part("tests", f"the GPU-marked tests ({len(files)} files), quick sizes",
                   command=(sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *files),
                   env=(("GPULAB_QUICK", "1"), ("GPULAB_STRICT_WARNINGS", "1")))]
-    parts += [Part(nb.stem, f"{nb} in full mode", notebook=nb) for nb in notebooks]
+    # a page (how the course measures) runs in the smoke run on this GPU; it ships no results, so no full-mode part
+    parts += [Part(nb.stem, f"{nb} in full mode", notebook=nb) for nb in notebooks if is_lesson(nb)]
     parts.append(Part("bench", "gpulab bench", command=(sys.executable, "-m", "gpulab.commands.cli", "bench")))
     if not selected:
         return parts
