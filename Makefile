@@ -20,7 +20,7 @@ VERIFY_INSTALL       = $(if $(filter $(BIN)/python,$(VERIFY_PYTHON)),$(STAMP))
 VERIFY_OUT          ?= build/verify-gpu
 VERIFY_ARGS          = $(PARTS) $(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN))
 
-.PHONY: course test test-browser test-wheelhouse lab exercises grade notebooks doctor bench clean \
+.PHONY: course test test-browser test-wheelhouse test-versions lab exercises grade notebooks doctor bench clean \
 	wheelhouse install-offline verify-gpu verify-gpu-smoke verify-gpu-plan
 
 $(STAMP): pyproject.toml constraints.txt
@@ -47,6 +47,9 @@ test-browser: $(STAMP)  ## lesson 00 in JupyterLab in headless Chromium: Run All
 
 test-wheelhouse: $(STAMP)  ## the wheelhouse for real: PyPI, Pythons 3.11-3.13, an offline install into a venv with torch (~15 min)
 	GPULAB_WHEELHOUSE_TEST=1 $(BIN)/python -m pytest -p no:cacheprovider -s tests/test_wheelhouse_offline.py
+
+test-versions: $(STAMP)  ## the quick course on the lowest torch pyproject.toml declares and on the newest the index serves with its torchvision, a venv each in build/torch-versions/ (several GB each, ~40 min)
+	$(BIN)/python -m gpulab.commands.torch_versions
 
 wheelhouse: $(STAMP)  ## every wheel the course needs but torch, for WHEELHOUSE_PYTHON on WHEELHOUSE_PLATFORM, then checked offline
 	$(BIN)/python -m gpulab.commands.wheelhouse build --set $(WHEELHOUSE_SET) --out $(WHEELHOUSE) --platform $(WHEELHOUSE_PLATFORM) \
