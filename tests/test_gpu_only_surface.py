@@ -45,13 +45,13 @@ SURFACE = (
             "torch/_inductor/cudagraph_trees.py: a new generation frees the last one's outputs (format_dealloc_msg; "
             "in 2.14 its gradient-output message advises stable, preallocated .grad buffers); AccumulateGrad adds "
             "into an existing .grad in place (torch/csrc/autograd/functions/accumulate_grad.h)",
-            "lesson 10 full mode: the 'CUDA graphs' step with accumulation over several micro-batches runs, and its "
+            "lesson 09 full mode: the 'CUDA graphs' step with accumulation over several micro-batches runs, and its "
             "loss gap stays within the race's tolerance"),
     GpuOnly("Triton kernels: torch.compile's GPU code and triton.testing.do_bench",
             ("torch.compile(", "do_bench"),
             "torch/_inductor (Triton code generation for CUDA tensors; a CPU gets C++ instead); "
             "triton/testing.py do_bench (its own L2 flush and CUDA events)",
-            "lessons 06, 10 and 11 full mode compile and run; `gpulab bench` agrees with do_bench"),
+            "lessons 06 and 09 full mode compile and run; `gpulab bench` agrees with do_bench"),
     GpuOnly("A CUDA C kernel built at run time, and CUDA_LAUNCH_BLOCKING in a fresh process",
             ("CUDA_LAUNCH_BLOCKING",),
             "torch/utils/cpp_extension.py (load_inline with nvcc); CUDA_LAUNCH_BLOCKING is read when the CUDA "
@@ -101,7 +101,7 @@ SURFACE = (
             ("ProfilerActivity.CUDA",),
             "torch/profiler/profiler.py (profile, schedule: one cycle with repeat=1) and Kineto's CUPTI activity; "
             "HolisticTraceAnalysis reads the exported trace",
-            "busy.measure in lessons 02, 08 and 10, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
+            "busy.measure in lessons 02, 08 and 09, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
     GpuOnly("The caching allocator's real numbers: reserved memory, fragmentation, workspaces, the CUDA context",
             ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
             "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "
@@ -118,20 +118,16 @@ SURFACE = (
             "newer); tests/fake_libnvml.py proves the calls through nvidia-ml-py's real wrappers, never the values",
             "the verification's monitor.csv; lesson 00's NVML cell and `gpulab doctor`; the caveats beside each "
             "result"),
-    GpuOnly("The SDPA kernels that run, their speed and their memory",
+    GpuOnly("Which SDPA backend runs, and its memory",
             ("sdpa_kernel",),
             "torch/nn/attention/__init__.py (sdpa_kernel, SDPBackend); the backends' constraints in "
-            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp. The stand-in plays which backend the card takes "
-            "and torch's refusal where none can (tests/stand_in_architecture.py), then runs the CPU's own kernel: the "
-            "GPU kernels (pytorch_flash, fmha_cutlass, cuDNN's) never run here",
-            "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence; on a T4 "
-            "flash and cuDNN are refused and memory-efficient runs"),
+            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
+            "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence"),
     GpuOnly("TF32 and FP8 numerics on tensor cores",
             ("set_float32_matmul_precision", "_scaled_mm"),
             "torch/backends/cuda/__init__.py (matmul precision: cuBLAS TF32); torch._scaled_mm (FP8, compute "
-            "capability 8.9 and newer: aten/src/ATen/native/cuda/Blas.cpp; the stand-in plays its refusal below "
-            "sm_89 and its layout checks, and multiplies on the CPU where torch has a CPU kernel, from 2.14)",
-            "lessons 04 and 10: the TF32 step's loss gap within tolerance; lesson 11: FP8 close to bf16 on an L4 or H100"),
+            "capability 8.9 and newer)",
+            "lessons 04 and 09: the TF32 step's loss gap within tolerance; FP8 close to bf16"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",
