@@ -58,26 +58,40 @@ def checker_values() -> list:
 
 
 @pytest.fixture
-def cuda_stand_in():
+def cuda_stand_in(request):
     """The CPU plays an NVIDIA H200 for the test (tests/cuda_stand_in.py: proves the code around torch.cuda's calls,
-    never the GPU)."""
+    never the GPU); another card by indirect parametrization:
+    ``@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4"], indirect=True)``."""
     from .cuda_stand_in import installed
 
-    with installed("NVIDIA H200") as gpu:
+    with installed(getattr(request, "param", "NVIDIA H200")) as gpu:
         yield gpu
 
 
-@pytest.fixture(params=["cpu", "cuda stand-in"])
-def course_device(request):
-    """The device-generic pattern: the test runs on the CPU, then on the CPU playing an NVIDIA H200 (its GPU branches).
-    Yields the device to pass; ``gpulab.device.on_gpu`` tells the two apart."""
-    if request.param == "cpu":
+def _on(device: str):
+    """The device to pass for ``device``: the CPU itself, or the CPU playing the card named."""
+    if device == "cpu":
         yield torch.device("cpu")
         return
     from .cuda_stand_in import installed
 
-    with installed("NVIDIA H200"):
+    with installed(device):
         yield torch.device("cpu")
+
+
+@pytest.fixture(params=["cpu", "NVIDIA H200"], ids=["cpu", "cuda stand-in"])
+def course_device(request):
+    """The device-generic pattern: the test runs on the CPU, then on the CPU playing an NVIDIA H200 (its GPU branches).
+    Yields the device to pass; ``gpulab.device.on_gpu`` tells the two apart."""
+    yield from _on(request.param)
+
+
+@pytest.fixture(params=["cpu", "NVIDIA H200", "Tesla T4"], ids=["cpu", "as an H200", "as a T4"])
+def course_device_and_t4(request):
+    """``course_device``, and also the CPU playing Colab's Tesla T4 (sm_75: fp16 where an H200 has bf16, no flash
+    attention, no FP8, no GPM): for the branches that turn on what the card has. ``gpulab.device.STAND_IN`` names the
+    card played."""
+    yield from _on(request.param)
 
 
 @pytest.fixture

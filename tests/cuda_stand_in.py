@@ -13,13 +13,19 @@ While installed:
 - ``torch.cuda`` answers the calls the course makes as that card would: ``Event`` on the host clock, ``Stream``,
   ``stream``, ``current_stream`` and ``default_stream`` (a CPU runs each operation as it is called: there is no queue),
   ``synchronize``, the card's ``get_device_properties``/``get_device_name``/``get_device_capability``,
-  ``is_bf16_supported``, ``device_count`` 1 (with a CUDA context: ``torch._C._cuda_hasPrimaryContext``), the
+  ``is_bf16_supported`` (as torch answers on that architecture: True on a T4, which emulates bf16, False there with
+  ``including_emulation=False``), ``device_count`` 1 (with a CUDA context: ``torch._C._cuda_hasPrimaryContext``), the
   allocator's statistics and ``mem_get_info`` from the tracker (with ``set_per_process_memory_fraction`` as its
   budget: beyond it, an OutOfMemoryError), ``memory_summary`` (of those statistics), ``set_sync_debug_mode``,
   ``_sleep`` (a spin kernel: nothing to hold on a CPU);
 - ``Tensor.pin_memory`` copies, as pinning does, and ``is_pinned`` says so (so do ``torch.empty``, ``zeros`` and
   ``ones`` with ``pin_memory=True``); ``record_stream`` takes a stream; a ``DataLoader`` with ``pin_memory=True``
   warns and pins nothing (it asks ``torch.accelerator``, which the stand-in leaves as the machine has it);
+- what torch does by the card's architecture outside ``torch.cuda`` (``tests/stand_in_architecture.py``):
+  ``F.scaled_dot_product_attention`` takes the backend the card would take, or refuses as torch refuses there (a T4
+  has no flash or cuDNN attention), then runs the CPU's own kernel (``StandIn.attention`` counts the card's choices);
+  ``torch.backends.cuda.can_use_*_attention`` answer for the card; ``torch._scaled_mm`` raises below sm_89 as torch
+  does, and runs where the card has FP8 (on the CPU where this torch has a CPU kernel, else GpuOnly);
 - NVML answers for the same card through nvidia-ml-py's real wrappers (``tests/fake_libnvml.py``; ``StandIn.nvml`` is
   that card, whose readings a test sets);
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
@@ -34,6 +40,7 @@ import functools
 import threading
 import time
 import weakref
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -45,7 +52,7 @@ import gpulab.device
 from gpulab import nvml
 from gpulab.memory import MemoryTracker
 
-from . import fake_libnvml
+from . import fake_libnvml, stand_in_architecture
 
 SEGMENT = 2 * 2**20  # the caching allocator reserves memory in segments of 2 MiB (large blocks)
 
@@ -83,11 +90,29 @@ CARDS = {card.name: card for card in (
     Card("NVIDIA H200", 9, 0, 150_110_000_000, 132, 60 * 2**20, memory_clock_rate=3_201_000, memory_bus_width=6016),
     Card("NVIDIA H100 80GB HBM3", 9, 0, 84_930_000_000, 132, 50 * 2**20, memory_clock_rate=2_619_000,
          memory_bus_width=5120),
-    Card("Tesla T4", 7, 5, 15_830_000_000, 40, 4 * 2**20, memory_clock_rate=5_001_000, memory_bus_width=256),
+    # Colab's T4 as torch printed it in a public notebook (total_memory=15095MB, pci_device_id=4, L2_cache_size=4MB);
+    # a public deviceQuery of a T4: 1024 threads per SM, a 256-bit bus at 5001 MHz (320 GB/s)
+    Card("Tesla T4", 7, 5, 15095 * 2**20, 40, 4 * 2**20, pci_device_id=4, max_threads_per_multi_processor=1024,
+         memory_clock_rate=5_001_000, memory_bus_width=256),
+    # A public deviceQuery of an L4 (driver 525.105.17): 23612293120 bytes, 58 SMs, 48 MiB of L2, 1536 threads per SM,
+    # a 192-bit bus at 6251 MHz (300 GB/s), at PCI 00:03.0
+    Card("NVIDIA L4", 8, 9, 23_612_293_120, 58, 48 * 2**20, pci_device_id=3, max_threads_per_multi_processor=1536,
+         memory_clock_rate=6_251_000, memory_bus_width=192),
+    # CUDA's total for this laptop card was not found in public sources: the datasheet's 8 GiB (a real card reports a
+    # few hundred MiB less, as the L4 and T4 do). AD107: 24 SMs, 32 MB of L2, 1536 threads per SM, 128-bit GDDR6 at
+    # 16 Gbps (CUDA's memory clock is half the data rate: 8001 MHz, 256 GB/s); a laptop's GPU at PCI 01:00.0
+    Card("NVIDIA GeForce RTX 4060 Laptop GPU", 8, 9, 8 * 2**30, 24, 32 * 2**20, pci_bus_id=1, pci_device_id=0,
+         max_threads_per_multi_processor=1536, memory_clock_rate=8_001_000, memory_bus_width=128),
+    # A public deviceQuery of an A100-SXM4-40GB: 42298834944 bytes, 108 SMs, 40 MiB of L2, 2048 threads per SM, a
+    # 5120-bit HBM2 bus at 1215 MHz (1555 GB/s)
+    Card("NVIDIA A100-SXM4-40GB", 8, 0, 42_298_834_944, 108, 40 * 2**20, memory_clock_rate=1_215_000,
+         memory_bus_width=5120),
 )}
 
 
-NVML_CARDS = {"NVIDIA H200": fake_libnvml.h200, "NVIDIA H100 80GB HBM3": fake_libnvml.h100, "Tesla T4": fake_libnvml.t4}
+NVML_CARDS = {"NVIDIA H200": fake_libnvml.h200, "NVIDIA H100 80GB HBM3": fake_libnvml.h100, "Tesla T4": fake_libnvml.t4,
+              "NVIDIA L4": fake_libnvml.l4, "NVIDIA GeForce RTX 4060 Laptop GPU": fake_libnvml.rtx_4060_laptop,
+              "NVIDIA A100-SXM4-40GB": fake_libnvml.a100_40gb}
 
 
 class HostEvent:
@@ -159,6 +184,7 @@ class StandIn:
     reserved_peak: int = 0
     sync_debug_mode: int = 0
     default: HostStream = field(default_factory=HostStream)
+    attention: Counter = field(default_factory=Counter)  # SDPA backend -> calls the card chose it for
     _current: threading.local = field(default_factory=threading.local)
     _pinned: dict = field(default_factory=dict)  # id -> weak reference, of the tensors pin_memory made
 
@@ -258,9 +284,13 @@ def _pinning(factory, gpu: StandIn):
     return make
 
 
+def _refusal(what: str) -> GpuOnly:
+    return GpuOnly(f"{what} needs a real GPU: the CUDA stand-in runs the code around it, never this call")
+
+
 def _gpu_only(what: str):
     def refuse(*args, **kwargs):
-        raise GpuOnly(f"{what} needs a real GPU: the CUDA stand-in runs the code around it, never this call")
+        raise _refusal(what)
     return refuse
 
 
@@ -274,7 +304,7 @@ def _patches(gpu: StandIn) -> dict:
         "device_count": lambda: 1, "current_device": lambda: 0, "set_device": lambda device: None,
         "get_device_properties": lambda device=None: properties, "get_device_name": lambda device=None: card.name,
         "get_device_capability": lambda device=None: (card.major, card.minor),
-        "is_bf16_supported": lambda including_emulation=True: (card.major, card.minor) >= (8, 0),
+        "is_bf16_supported": stand_in_architecture.is_bf16_supported(card),
         "memory_allocated": gpu.allocated, "max_memory_allocated": lambda device=None: gpu.tracker.peak,
         "memory_reserved": gpu.reserved_now, "max_memory_reserved": gpu.reserved_most,
         "reset_peak_memory_stats": gpu.reset_peak, "empty_cache": gpu.empty_cache, "memory_stats": gpu.stats,
@@ -295,6 +325,18 @@ def _patches(gpu: StandIn) -> dict:
     }
 
 
+def _torch_patches(gpu: StandIn) -> list[tuple[object, str, object]]:
+    """What torch answers by the card's architecture outside ``torch.cuda`` (tests/stand_in_architecture.py): SDPA's
+    choice of backend, the backends' checks, FP8 matmuls."""
+    arch, card = stand_in_architecture, gpu.card
+    patches = [(torch.nn.functional, "scaled_dot_product_attention",
+                arch.attention(torch.nn.functional.scaled_dot_product_attention, card, gpu.attention)),
+               (torch, "_scaled_mm", arch.scaled_mm(torch._scaled_mm, card, _refusal))]
+    for backend in ("flash", "efficient", "cudnn"):  # torch.backends.cuda.can_use_*_attention, in 2.6 and 2.14
+        patches.append((torch.backends.cuda, f"can_use_{backend}_attention", arch.can_use(backend, card)))
+    return patches
+
+
 def answered() -> set[str]:
     """The names in ``torch.cuda`` the stand-in answers (or refuses with GpuOnly)."""
     return set(_patches(StandIn(CARDS["NVIDIA H200"])))
@@ -307,6 +349,8 @@ def installed(card: str = "NVIDIA H200"):
     with ExitStack() as stack:
         for name, value in _patches(gpu).items():
             stack.enter_context(mock.patch.object(torch.cuda, name, value, create=True))
+        for owner, name, value in _torch_patches(gpu):
+            stack.enter_context(mock.patch.object(owner, name, value))
         # which devices have a CUDA context (gpulab.timing.used_gpus): the one the stand-in plays
         stack.enter_context(mock.patch.object(torch._C, "_cuda_hasPrimaryContext", _has_context, create=True))
         for name, value in {"_record_memory_history": _gpu_only("the allocator's history"),

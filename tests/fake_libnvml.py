@@ -108,10 +108,34 @@ def h100(**readings) -> Card:
     return Card("NVIDIA H100 80GB HBM3", 81559, 700.0, 1980, 2619, (5, 16), "580.159.04", 13000, True, **readings)
 
 
+COLAB_DRIVER = ("550.54.15", 12040)  # Colab's driver and its CUDA 12.4, which the cards below Hopper are played with
+
+
 def t4(**readings) -> Card:
-    """A Colab T4 (driver 550.54.15, CUDA 12.4): a card before Hopper, without GPM."""
-    return Card("Tesla T4", 15360, 70.0, 1590, 5001, (3, 16), "550.54.15", 12040, False,
+    """A Colab T4: a card before Hopper, without GPM (nvmlGpmQueryDeviceSupport says so; sampling is NOT_SUPPORTED)."""
+    return Card("Tesla T4", 15360, 70.0, 1590, 5001, (3, 16), *COLAB_DRIVER, False,
                 **{"pci_bus_id": "00000000:00:04.0", **readings})
+
+
+def l4(**readings) -> Card:
+    """An L4 (Ada, sm_89: FP8, no GPM), as nvidia-smi and deviceQuery showed one publicly: 23034 MiB, 72 W, 2040 MHz,
+    its memory at 6251 MHz; PCIe Gen4 x16."""
+    return Card("NVIDIA L4", 23034, 72.0, 2040, 6251, (4, 16), *COLAB_DRIVER, False,
+                **{"pci_bus_id": "00000000:00:03.0", **readings})
+
+
+def rtx_4060_laptop(**readings) -> Card:
+    """An RTX 4060 Laptop GPU (Ada, sm_89, no GPM): the datasheet's 8 GiB (its NVML total not found in public sources),
+    its highest power limit (115 W; laptops set 35-115 W) and boost clock (2370 MHz), 16 Gbps GDDR6 (8001 MHz), PCIe
+    Gen4 x8."""
+    return Card("NVIDIA GeForce RTX 4060 Laptop GPU", 8192, 115.0, 2370, 8001, (4, 8), *COLAB_DRIVER, False,
+                **{"pci_bus_id": "00000000:01:00.0", **readings})
+
+
+def a100_40gb(**readings) -> Card:
+    """An A100 SXM4 40 GB (Ampere, sm_80: no FP8, no GPM): 40537 MiB (as nvidia-smi shows it in public logs), 400 W,
+    1410 MHz, HBM2 at 1215 MHz, PCIe Gen4 x16."""
+    return Card("NVIDIA A100-SXM4-40GB", 40537, 400.0, 1410, 1215, (4, 16), *COLAB_DRIVER, False, **readings)
 
 
 class _Return(Exception):

@@ -1,13 +1,26 @@
 """The CUDA stand-in behaves as the torch.cuda calls it plays do (their errors as aten/src/ATen/cuda/CUDAEvent.h and
-c10/cuda/CUDACachingAllocator.cpp word them), and leaves torch as it found it: a fake that does not behave as the real
-thing proves nothing."""
+c10/cuda/CUDACachingAllocator.cpp word them), answers as torch does on the architecture of the card it plays (bf16,
+SDPA's backends, FP8: tests/stand_in_architecture.py), plays cards whose facts are their datasheets', and leaves torch
+as it found it: a fake that does not behave as the real thing proves nothing."""
 
+import math
+import mmap
+import re
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pynvml
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gpulab.device
+from gpulab import datasheets, nvml
 
-from .cuda_stand_in import GpuOnly, installed
+from . import stand_in_architecture
+from .cuda_stand_in import CARDS, NVML_CARDS, GpuOnly, installed
 
 
 def test_events_time_on_the_host_clock_and_refuse_as_torch_does(cuda_stand_in):
@@ -70,10 +83,226 @@ def test_what_only_a_gpu_can_do_is_refused_not_pretended(cuda_stand_in, call):
         call()
 
 
-@pytest.mark.parametrize("card, capability, bf16", [("NVIDIA H200", (9, 0), True), ("Tesla T4", (7, 5), False)])
-def test_each_card_is_played_with_its_own_properties_and_torch_is_restored_after(card, capability, bf16):
-    real_event, real_pin = torch.cuda.Event, torch.Tensor.pin_memory
+@pytest.mark.parametrize("card, capability, native_bf16", [("NVIDIA H200", (9, 0), True), ("Tesla T4", (7, 5), False),
+                                                            ("NVIDIA L4", (8, 9), True)])
+def test_each_card_is_played_with_its_own_properties_and_torch_is_restored_after(card, capability, native_bf16):
+    real = (torch.cuda.Event, torch.Tensor.pin_memory, F.scaled_dot_product_attention, torch._scaled_mm,
+            torch.backends.cuda.can_use_flash_attention)
     with installed(card):
         assert gpulab.device.STAND_IN == card and torch.cuda.get_device_name() == card
-        assert torch.cuda.get_device_capability() == capability and torch.cuda.is_bf16_supported() is bf16
-    assert gpulab.device.STAND_IN is None and torch.cuda.Event is real_event and torch.Tensor.pin_memory is real_pin
+        assert torch.cuda.get_device_capability() == capability
+        assert torch.cuda.is_bf16_supported(including_emulation=False) is native_bf16
+        assert gpulab.device_info().bf16_native is native_bf16
+    assert gpulab.device.STAND_IN is None
+    assert (torch.cuda.Event, torch.Tensor.pin_memory, F.scaled_dot_product_attention, torch._scaled_mm,
+            torch.backends.cuda.can_use_flash_attention) == real
+
+
+# ---- the cards: their datasheets' facts --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CARDS)
+def test_each_card_agrees_with_its_datasheet(name):
+    """Architecture, SMs, memory (CUDA's total a little below the capacity the vendor states, the driver keeping
+    some), memory bandwidth from the clock and bus CUDA reports, and NVML's power limit, PCIe link and GPM."""
+    card, sheet = CARDS[name], datasheets.find(name)
+    assert sheet is not None, f"no datasheet for {name}"
+    assert (card.major, card.minor) == sheet.compute_capability and card.multi_processor_count == sheet.sms
+    capacity = sheet.memory_gib * 2**30
+    assert 0.9 * capacity <= card.total_memory <= capacity
+    bandwidth_gbs = 2 * card.memory_clock_rate * 1e3 * card.memory_bus_width / 8 / 1e9  # as lesson 01 computes it
+    assert bandwidth_gbs == pytest.approx(sheet.bandwidth_gbs, rel=0.01)
+    played = NVML_CARDS[name]()
+    assert played.name == name and played.power_limit_w == sheet.power_w and played.pcie_max == sheet.pcie
+    assert played.memory_total_mib * 2**20 >= card.total_memory  # NVML's total includes the driver's reserve
+    assert played.gpm is (card.major >= 9)  # GPM: Hopper and newer (nvml.h, nvmlGpmQueryDeviceSupport)
+
+
+@pytest.mark.parametrize("name", CARDS)
+def test_nvml_offers_gpm_only_on_hopper_and_newer_cards(name):
+    with installed(name) as gpu, nvml.session() as nv:
+        handle = nvml.handle_for(nv, 0)
+        assert nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice == (gpu.card.major >= 9)
+        assert (nvml.gpm_sample(nv, handle) is not None) == (gpu.card.major >= 9)
+        if gpu.card.major < 9:
+            sample = nv.nvmlGpmSampleAlloc()
+            with pytest.raises(pynvml.NVMLError_NotSupported):
+                nv.nvmlGpmSampleGet(handle, sample)
+            nv.nvmlGpmSampleFree(sample)
+
+
+# ---- bf16: what torch/cuda/__init__.py answers on the played architecture -----------------------------------------
+
+@pytest.mark.parametrize("name", CARDS)
+def test_is_bf16_supported_answers_as_torchs_own_function_does_on_the_card(name):
+    """torch's is_bf16_supported itself, run on the played card with CUDA there: True from sm80; below it, False
+    without emulation, else True (a bf16 tensor is made on any card torch runs on, a T4's included)."""
+    torchs = torch.cuda.is_bf16_supported
+    with installed(name), mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "_check_bf16_tensor_supported", lambda device: True):
+        for emulation in (True, False):
+            assert torch.cuda.is_bf16_supported(including_emulation=emulation) is torchs(including_emulation=emulation)
+        assert torch.cuda.is_bf16_supported() is True
+
+
+# ---- SDPA: the backend the card takes, or torch's refusal there -------------------------------------------------
+
+def qkv(dtype=torch.float16, head_dim=16, requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 4, 32, head_dim, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def attend(backends=None, **inputs):
+    """One forward and backward of SDPA (causal) with ``backends`` forced; its profile's event names and devices."""
+    q, k, v = qkv(**inputs)
+    with sdpa_kernel(backends) if backends else warnings.catch_warnings(), torch.profiler.profile() as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return [(e.key, e.device_type.name) for e in prof.key_averages()]
+
+
+def refused(backends, **inputs) -> list[str]:
+    """What torch warns (without where) before it raises that no kernel is available for ``attend(backends)``."""
+    with pytest.warns(UserWarning) as caught, pytest.raises(RuntimeError, match=r"^No available kernel\. Aborting "
+                                                                                 r"execution\.$"):
+        attend(backends, **inputs)
+    assert {w.filename for w in caught} == {__file__}  # warned where the code called SDPA, as torch warns
+    return [str(w.message).removesuffix(stand_in_architecture.SOURCE) for w in caught]
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4"], indirect=True)
+def test_a_t4_takes_memory_efficient_attention_and_the_cpu_runs_its_own_kernel_under_its_own_name(cuda_stand_in):
+    events = attend()  # PyTorch's choice: flash refused on sm75, memory-efficient next in priority order
+    assert cuda_stand_in.attention == {"efficient": 1}
+    names = [name for name, _ in events]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names  # the CPU's kernel, named as the CPU's
+    assert not any("efficient" in name or "fmha" in name for name in names)  # no GPU kernel's name pretended
+    assert {device for _, device in events} == {"CPU"}
+    attend(SDPBackend.EFFICIENT_ATTENTION)
+    assert "aten::_scaled_dot_product_attention_math" in [name for name, _ in attend(SDPBackend.MATH)]
+    assert cuda_stand_in.attention == {"efficient": 2, "math": 1}
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4"], indirect=True)
+@pytest.mark.parametrize("backends", [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                      [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]])
+def test_a_t4_refuses_flash_and_cudnn_attention_as_torch_does(cuda_stand_in, backends):
+    """sdp_utils.cpp select_sdp_backend: each fused backend's first failed constraint warned, then the error."""
+    said = refused(backends)
+    assert said[0::2] == ["Memory efficient kernel not used because:", "Flash attention kernel not used because:",
+                          f"{stand_in_architecture.CUDNN} attention kernel not used because:"]
+    assert said[1] == "Memory Efficient attention has been runtime disabled."
+    assert said[3].startswith("Flash attention") and said[5].startswith(("cuDNN", "CuDNN"))
+    sm75 = [line for line in said if line.endswith("Attempting to run on a sm 7.5 gpu.")]
+    assert len(sm75) == (2 if isinstance(backends, list) else 1)
+    assert not cuda_stand_in.attention
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4"], indirect=True)
+def test_a_t4s_memory_efficient_attention_refuses_bf16_as_torch_does_before_sm80(cuda_stand_in):
+    assert refused(SDPBackend.EFFICIENT_ATTENTION, dtype=torch.bfloat16)[1] == (
+        "Expected query, key and value to all be of dtype: {Half, Float}. Got Query dtype: c10::BFloat16, Key dtype: "
+        "c10::BFloat16, and Value dtype: c10::BFloat16 instead.")
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["NVIDIA L4", "NVIDIA H200"], indirect=True)
+def test_an_ampere_or_newer_card_runs_flash_attention_in_half_precision_only(cuda_stand_in):
+    attend(SDPBackend.FLASH_ATTENTION, dtype=torch.bfloat16)
+    assert cuda_stand_in.attention == {"flash": 1}
+    assert "dtype: {Half, BFloat16}. Got Query dtype: float" in refused(SDPBackend.FLASH_ATTENTION, dtype=torch.float32)[3]
+    attend(dtype=torch.float32)  # PyTorch's choice for fp32: memory-efficient
+    assert cuda_stand_in.attention == {"flash": 1, "efficient": 1}
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["NVIDIA L4"], indirect=True)
+def test_an_l4_refuses_flash_attention_for_training_with_a_head_dim_over_192(cuda_stand_in):
+    """check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: sm86-sm89 only, training only."""
+    assert "training with head_dim ∈ (192, 224]" in refused(SDPBackend.FLASH_ATTENTION, head_dim=200)[3]
+    with torch.no_grad():
+        F.scaled_dot_product_attention(*qkv(head_dim=200), is_causal=True)
+    assert cuda_stand_in.attention == {"flash": 1}
+
+
+def test_the_backends_checks_answer_for_the_card_played():
+    q, k, v = qkv()
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False)
+    for name, flash in (("Tesla T4", False), ("NVIDIA L4", True)):
+        with installed(name):
+            assert torch.backends.cuda.can_use_flash_attention(params) is flash
+            assert torch.backends.cuda.can_use_cudnn_attention(params) is flash
+            assert torch.backends.cuda.can_use_efficient_attention(params) is True
+    with installed("Tesla T4"), pytest.warns(UserWarning, match="sm 7.5"):
+        torch.backends.cuda.can_use_flash_attention(params, debug=True)
+
+
+def test_with_every_backend_disabled_no_backend_is_viable(cuda_stand_in):
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.backends.cuda.enable_math_sdp(False)
+        with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention was found"):
+            F.scaled_dot_product_attention(*qkv(), is_causal=True)
+
+
+def test_torch_compile_traces_the_played_sdpa_as_one_operator():
+    """Under torch.compile the card's checks are not traced (they would break the graph a GPU compiles whole)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    played = stand_in_architecture.attention(F.scaled_dot_product_attention, CARDS["Tesla T4"], chosen := {})
+    torch._dynamo.reset()
+    torch.compile(lambda q: played(q, q, q, is_causal=True).relu(), backend=backend, fullgraph=True)(qkv()[0])
+    calls = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and F.scaled_dot_product_attention in calls and not chosen
+
+
+def test_what_the_stand_in_warns_and_raises_is_worded_as_this_torchs_binary_words_it():
+    """Each fixed text (to the first number) is in the installed torch's libtorch_cuda.so, as TORCH_WARN and TORCH_CHECK
+    there write it: the stand-in follows the version (2.6: CuDNN and sm90; 2.14: cuDNN and sm121)."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    if not library.exists():
+        pytest.skip("this torch has no CUDA library to read its words from")
+    texts = []
+    with installed("Tesla T4"):
+        for backends in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as raised:
+                warnings.simplefilter("always")
+                attend(backends)
+            texts += [str(w.message).removesuffix(stand_in_architecture.SOURCE) for w in caught] + [str(raised.value)]
+        with pytest.raises(RuntimeError) as raised:
+            torch._scaled_mm(*fp8_operands())
+        texts.append(str(raised.value))
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as binary:
+        missing = [text for text in dict.fromkeys(re.split(r"(?<=a sm )\d", t)[0] for t in texts)
+                   if binary.find(text.encode()) < 0]
+    assert not missing, f"not in {library.name} of torch {torch.__version__}: {missing}"
+
+
+# ---- FP8: torch._scaled_mm from sm_89 -----------------------------------------------------------------------------
+
+def fp8_operands(n: int = 32):
+    """A row-major e4m3 matrix, a column-major one and their float32 scales, as _scaled_mm takes them."""
+    a = torch.randn(n, n).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n).to(torch.float8_e4m3fn).t()
+    return a, b, torch.tensor(1.0), torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("name", ["Tesla T4", "NVIDIA A100-SXM4-40GB"])
+def test_fp8_matmuls_are_refused_below_sm89_as_torch_refuses_them(name):
+    with installed(name), pytest.raises(RuntimeError, match=r"^torch\._scaled_mm is only supported on CUDA devices with "
+                                                            r"compute capability >= 9\.0 or 8\.9, or ROCm MI300\+$"):
+        torch._scaled_mm(*fp8_operands(), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA H200"])
+def test_fp8_matmuls_run_where_the_card_has_fp8_with_the_gpus_layout_checks(name):
+    a, b, scale_a, scale_b = fp8_operands()
+    with installed(name):
+        with pytest.raises(RuntimeError, match="mat2 must be col_major"):
+            torch._scaled_mm(a, b.contiguous(), scale_a, scale_b, out_dtype=torch.bfloat16)
+        try:
+            out = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+        except GpuOnly as refused:  # torch before 2.14's CPU kernel: no FP8 matmul on a CPU
+            assert "no CPU kernel" in str(refused)
+            return
+    expected = a.float() @ b.float()
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), expected, rtol=1e-2, atol=math.inf)
