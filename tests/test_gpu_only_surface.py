@@ -118,16 +118,20 @@ SURFACE = (
             "newer); tests/fake_libnvml.py proves the calls through nvidia-ml-py's real wrappers, never the values",
             "the verification's monitor.csv; lesson 00's NVML cell and `gpulab doctor`; the caveats beside each "
             "result"),
-    GpuOnly("Which SDPA backend runs, and its memory",
+    GpuOnly("The SDPA kernels that run, their speed and their memory",
             ("sdpa_kernel",),
             "torch/nn/attention/__init__.py (sdpa_kernel, SDPBackend); the backends' constraints in "
-            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
-            "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence"),
+            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp. The stand-in plays which backend the card takes "
+            "and torch's refusal where none can (tests/stand_in_architecture.py), then runs the CPU's own kernel: the "
+            "GPU kernels (pytorch_flash, fmha_cutlass, cuDNN's) never run here",
+            "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence; on a T4 "
+            "flash and cuDNN are refused and memory-efficient runs"),
     GpuOnly("TF32 and FP8 numerics on tensor cores",
             ("set_float32_matmul_precision", "_scaled_mm"),
             "torch/backends/cuda/__init__.py (matmul precision: cuBLAS TF32); torch._scaled_mm (FP8, compute "
-            "capability 8.9 and newer)",
-            "lessons 04 and 09: the TF32 step's loss gap within tolerance; FP8 close to bf16"),
+            "capability 8.9 and newer: aten/src/ATen/native/cuda/Blas.cpp; the stand-in plays its refusal below "
+            "sm_89 and its layout checks, and multiplies on the CPU where torch has a CPU kernel, from 2.14)",
+            "lessons 04 and 09: the TF32 step's loss gap within tolerance; FP8 close to bf16 on an L4 or H100"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",
