@@ -3,6 +3,8 @@ tested with injected trials (its verification of what was trained, the accuracy 
 steady-state speed-up, the retry when a first round is too close to call), plus two real checks with wide margins.
 The answers' own processes are exercised in test_lesson08_answers.py."""
 
+import re
+
 import nbformat
 import pytest
 import torch
@@ -12,7 +14,7 @@ import gpulab
 from gpulab import capstone, models
 from gpulab.check import Wrong
 from gpulab.questions import lesson08
-from gpulab.questions.timed_check import Trial
+from gpulab.questions.timed_check import Trial, pack_state
 
 from .conftest import ROOT, shown_solution
 from .test_lesson08_answers import ReplayedStep
@@ -200,10 +202,33 @@ def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it
 N, EPOCHS = lesson08.SIZES["n_train"], lesson08.SIZES["epochs"]
 
 
+def trained_weights(seed=0, **moves) -> dict:
+    """Seed ``seed``'s model with every parameter moved at random, as training moves it, or as ``moves`` says (a
+    parameter's name, dots as __, to a function of its initial weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = models.SpeedrunNet(lesson08.SIZES["widths"], seed=seed).state_dict()
+    for name, p in lesson08.initial_parameters(seed).items():
+        move = moves.get(name.replace(".", "__"), lambda w: w + 0.1 * torch.randn(w.shape, generator=gen))
+        state[name] = move(p.clone())
+    return state
+
+
+def packed(state: dict) -> str:
+    """A state as a trial reports it."""
+    model = models.SpeedrunNet(lesson08.SIZES["widths"])
+    model.load_state_dict(state)
+    return pack_state(model)
+
+
+TRAINED = packed(trained_weights())
+
+
 def facts(**changes) -> dict:
     """The report of an answer that trained as asked."""
+    steps = EPOCHS * N // 64
     report = {"model": "SpeedrunNet", "architecture": lesson08._architecture(models.SpeedrunNet(lesson08.SIZES["widths"])),
-              "samples": EPOCHS * N, "forwards": EPOCHS * N // 64, "backwards": EPOCHS * N // 64,
+              "samples": EPOCHS * N, "forwards": steps, "backwards": steps,
+              "gradients": dict.fromkeys(lesson08.initial_parameters(0), steps), "replaced": [], "state": TRAINED,
               "weight_dtypes": ["float32"], "final_dtypes": ["float32"], "input_dtypes": ["float32"],
               "augmentation": {"inputs": 512, "cropped": 0.99, "marked": 512, "flipped": 0.5}}
     return {**report, **changes}
@@ -274,6 +299,182 @@ def test_what_was_trained_is_verified(changes, says):
     with pytest.raises(Wrong, match=says):
         lesson08._verify(trial("answer", steady=1.0, **changes))
     lesson08._verify(trial("answer", steady=1.0, samples=EPOCHS * (N - N // 50)))  # a dropped partial batch is fine
+
+
+# ----- every parameter trained: the ways to leave some out, in this process under the check's watch -------------
+
+def watched(train, *, steps=8, seed=0, replayed=False, facts=False):
+    """What the check says of a training of seed ``seed``'s model, under the check's watch, on ``steps`` batches,
+    eagerly or as a captured and replayed step (``ReplayedStep``): ``left_out``'s line, or None (with ``facts``: the
+    watch's facts too). ``train(model)`` prepares the model and returns the optimizer (None: SGD as the recipe's)."""
+    model = models.SpeedrunNet(lesson08.SIZES["widths"], seed=seed)
+    watch = lesson08.TrainingWatch(model, n_train=10**6, events=None, device=torch.device("cpu"))
+    optimizer = train(model) or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=False)  # zeros, kept: weight decay still moves a parameter they leave out
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    batches = batches_of(steps)
+    if replayed:  # one eager step, one captured, the rest replayed from static inputs
+        step(*batches[0])
+        static_x, static_y = batches[1][0].clone(), batches[1][1].clone()
+        graph = ReplayedStep()
+        with graph:
+            step(static_x, static_y)
+        for x, y in batches[2:]:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+    else:
+        for x, y in batches:
+            step(x, y)
+    seen = watch.facts()
+    said = lesson08.left_out(seen, lesson08.initial_parameters(seed), model.state_dict())
+    return (said, seen) if facts else said
+
+
+def stem_frozen(model):
+    model.net[0].requires_grad_(False)
+
+
+def head_not_in_the_optimizer(model):
+    return torch.optim.SGD(list(model.parameters())[:-1], lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+def stem_at_learning_rate_0(model):
+    stem = list(model.net[:2].parameters())
+    rest = list(model.net[2:].parameters())
+    return torch.optim.SGD([{"params": stem, "lr": 0.0}, {"params": rest}], lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+def everything_at_learning_rate_0(model):
+    return torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=5e-4)
+
+
+def stem_output_detached(model):
+    model.net[2].register_forward_hook(lambda module, args, output: output.detach())
+
+
+def stem_convolution_without_grad(model):
+    model.net[0].forward = torch.no_grad()(model.net[0].forward)
+
+
+def stem_gradients_zeroed(model):
+    """Gradients computed, then zeroed before the step: weight decay alone moves the stem (a multiple of its start)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    def zero(*args):
+        model.net[0].weight.grad.zero_()
+    optimizer.register_step_pre_hook(zero)
+    return optimizer
+
+
+def stem_put_back(model):
+    """The stem's weights restored after every step (after training would do the same)."""
+    saved = model.net[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    def put_back(*args):
+        model.net[0].weight.data.copy_(saved)
+    optimizer.register_step_post_hook(put_back)
+    return optimizer
+
+
+def stem_trained_every_4th_step(model):
+    """The costly full-resolution backward skipped in most steps: the stem's output detached 3 steps in 4."""
+    steps = iter(range(10**6))
+    model.net[2].register_forward_hook(lambda module, args, output: output if next(steps) % 4 == 0 else output.detach())
+
+
+def stem_replaced(model):
+    model.net[0].weight = torch.nn.Parameter(model.net[0].weight.detach().clone())
+
+
+WHOLE = "Train the whole model you were given, every step"
+
+
+@pytest.mark.parametrize("train, says", [
+    (stem_frozen, r"^parameters left out of training: net\.0\.weight had a gradient in 0 of 8 backward passes\. "),
+    (head_not_in_the_optimizer, r": net\.26\.weight ended where it started or at a multiple of it"),
+    (stem_at_learning_rate_0, r": net\.0\.weight, net\.1 \(weight, bias\) ended where they started"),
+    (everything_at_learning_rate_0, r": all 22 parameters ended where they started"),
+    (stem_output_detached, r": net\.0\.weight, net\.1 \(weight, bias\) had a gradient in 0 of 8 backward"),
+    (stem_convolution_without_grad, r": net\.0\.weight had a gradient in 0 of 8 backward passes"),
+    (stem_gradients_zeroed, r": net\.0\.weight ended where it started or at a multiple of it \(as weight decay"),
+    (stem_put_back, r": net\.0\.weight ended where it started"),
+    (stem_trained_every_4th_step, r": net\.0\.weight, net\.1 \(weight, bias\) had a gradient in 2 of 8 backward"),
+    (stem_replaced, r": net\.0\.weight was replaced by a new tensor\. "),
+], ids=lambda value: getattr(value, "__name__", ""))
+def test_each_way_of_leaving_parameters_untrained_is_named_in_one_line(train, says):
+    said = watched(train)
+    assert said is not None and re.search(says, said), said
+    assert "\n" not in said and said.count(WHOLE) == 1
+
+
+def test_a_whole_model_trained_eagerly_or_replayed_is_not_told_anything():
+    assert watched(lambda model: None) is None
+    assert watched(lambda model: None, replayed=True) is None
+
+
+def test_a_frozen_stem_is_counted_in_a_replayed_step_too():
+    """The captured step's hooks ran once, at the capture: its replays count the parameters it reached."""
+    said = watched(stem_frozen, replayed=True)
+    assert said.startswith("parameters left out of training: net.0.weight had a gradient in 0 of 8 backward"), said
+
+
+def test_a_captured_step_that_leaves_the_stem_out_after_one_that_trained_it_falls_short_of_its_forwards():
+    """Step 0 eager and whole, step 1 (the captured one) without the stem: the replays' passes go uncounted, and the
+    check rejects the backward passes short of the forwards before it reads the parameters'."""
+    _, seen = watched(stem_trained_every_4th_step, replayed=True, facts=True)
+    assert seen["forwards"] == 8 and seen["backwards"] == 2
+    with pytest.raises(Wrong, match="8 training forward passes but 2 backward passes"):
+        lesson08._verify(trial("answer", steady=1.0, **dict(seen, samples=EPOCHS * N)))
+
+
+def test_a_training_with_the_recipe_moves_every_parameter_far_beyond_a_rescaling_and_decay_alone_does_not():
+    """The margins of ``RESCALED`` and ``ROUNDING``: the shown solution's whole quick-mode job, its stem's gradients
+    zeroed before every step (its weight decay still applied), on seed 3."""
+    solution = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
+    data = capstone.make_dataset(N, 0, seed=3)
+    model = models.SpeedrunNet(lesson08.SIZES["widths"], seed=3)
+    model.net[0].weight.register_hook(torch.zeros_like)
+    solution(model, data, epochs=EPOCHS, device=torch.device("cpu"))
+    initial = lesson08.initial_parameters(3)
+    for name, p in model.named_parameters():
+        rest, change, size = lesson08.unscaled_change(initial[name], p.detach())
+        if name == "net.0.weight":
+            assert change > 0 and rest < lesson08.RESCALED / 100 * change and rest < lesson08.ROUNDING / 10 * size
+        else:
+            assert rest > 50 * lesson08.RESCALED * change and rest > 1000 * lesson08.ROUNDING * size, name
+
+
+def test_the_parameters_left_out_are_verified_from_the_weights_reported_against_the_seeds_own():
+    steps = EPOCHS * N // 64
+    put_back = packed(trained_weights(net__3__weight=lambda w: w, net__5__bias=lambda w: w))
+    with pytest.raises(Wrong, match=r"^parameters left out of training: net\.3\.weight, net\.5\.bias ended where"):
+        lesson08._verify(trial("answer", steady=1.0, state=put_back))
+    decayed = packed(trained_weights(net__26__weight=lambda w: 0.97 * w))
+    with pytest.raises(Wrong, match=r": net\.26\.weight ended where it started or at a multiple of it"):
+        lesson08._verify(trial("answer", steady=1.0, state=decayed))
+    with pytest.raises(Wrong, match="ended where"):  # another seed's model: its weights are not this trial's start
+        lesson08._verify(trial("answer", steady=1.0, seed=1, state=packed(trained_weights(seed=0, net__0__weight=(
+            lambda w: lesson08.initial_parameters(1)["net.0.weight"])))))
+    starved = dict(facts()["gradients"], **{"net.0.weight": 0, "net.1.weight": steps - 9})
+    with pytest.raises(Wrong, match=rf": net\.0\.weight, net\.1\.weight had a gradient in 0 to {steps - 9} of {steps} "):
+        lesson08._verify(trial("answer", steady=1.0, gradients=starved))
+    lesson08._verify(trial("answer", steady=1.0, gradients=dict(starved, **{"net.0.weight": steps - 1,
+                                                                           "net.1.weight": steps - 2})))
+    diverged = packed(trained_weights(net__0__weight=lambda w: w * float("nan")))
+    lesson08._verify(trial("answer", steady=1.0, state=diverged))  # the accuracy judges a diverged training
+
+
+def test_the_names_left_out_are_said_compactly():
+    names = list(lesson08.initial_parameters(0))
+    assert lesson08._names(names, len(names)) == "all 22 parameters"
+    assert lesson08._names(names[:4], len(names)) == "net.0.weight, net.1 (weight, bias), net.3.weight"
+    assert lesson08._names(names[:-1], len(names)) == ("net.0.weight, net.1 (weight, bias), net.3.weight, "
+                                                       "net.5 (weight, bias), net.7.weight, net.8 (weight, bias) and "
+                                                       "those of 8 more modules")
 
 
 class ScriptedDuel:
@@ -383,7 +584,7 @@ def test_the_shown_solution_passes_a_real_check(monkeypatch):
     solution = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
     result = judged(solution)
     assert result.status == "correct", result.message
-    assert "steady-state speed-up" in result.message and "every image trained on" in result.message
+    assert "steady-state speed-up" in result.message and "all of it trained, on every image" in result.message
 
 
 def test_tricks_around_the_baseline_earn_no_speed_up(monkeypatch):
