@@ -13,7 +13,7 @@ the same order. The speed-ups themselves are written out in lesson 08.
 """
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,9 @@ class Sizes:
         return self.epochs * self.rounds * self.images_per_round
 
 
-# Quick mode's few steps want a small batch: 4x the batch there leaves 18 steps, too few to learn the task.
+# Quick mode's few steps want a small batch: 4x the batch there leaves 18 steps, too few to learn the task. Lesson 08
+# sizes its job from the card (gpulab/plans/plan08.py: the full network on the fastest cards, narrower ones and fewer
+# images where the path would not fit its minutes); the exercise's check trains these.
 FULL_SIZES = Sizes((64, 256, 512, 1024), 16_384, 4096, 5, 4, 256, 0.1, 4)
 QUICK_SIZES = Sizes((4, 8, 16, 32), 1536, 1024, 3, 3, 64, 0.05, 2)
 SIZES = by_mode(full=FULL_SIZES, quick=QUICK_SIZES)
@@ -248,57 +250,3 @@ def slow_train(model: torch.nn.Module, data: ImageData, *, epochs: int, device, 
             losses.append(loss.item())
             step += 1
     return losses
-
-
-# ----- lesson 08's time plan on a GPU (full mode: at most 3 minutes on an H100 or H200) -----------------------------
-
-COMPILE_S = 25.0  # a first torch.compile of the network (mode default): 22.7 s on the 2026-11-28 H200 (quick mode's
-# network: the graph's operators, not their widths, set it)
-COMPILE_AGAIN_S = 10.0  # estimate: a retry compiles the same network again, and reuses what is cached (dynamo's
-# compiled code in the process where its guards still hold, inductor's FX graphs and Triton kernels on disk). A new
-# model of the same class passes dynamo's guards (torch/_dynamo/config.py, inline_inbuilt_nn_modules: True by default
-# since 2.5, always in 2.14): the later races of a compiled configuration compile nothing new.
-PLAN_MFU = {"fp32": 0.10, "bf16": 0.20}  # rates planned before they are measured, as shares of the dense bf16 peak:
-# estimates below what the lesson aims for (40 % for the final configuration); fp32 runs its convolutions in TF32
-FIXED_S = {"start, data, FLOPs, reference tables": 15.0, "ceilings, busy windows, figures": 30.0}  # estimates; the
-# start: the 2026-11-28 H200 run's first GPU memory appeared 15 s into the part
-BUDGET_S = 135.0  # what the noise and the races may take, at most: with FIXED_S, 3 minutes
-
-
-def planned_rate(flops_per_image: float, peak_tflops: float, precision: str) -> float:
-    """The training images/s planned for a configuration before it is measured: ``PLAN_MFU`` of the card's dense
-    bf16 peak (``peak_tflops``) over the FLOPs of one training image."""
-    return PLAN_MFU[precision] * peak_tflops * 1e12 / flops_per_image
-
-
-def evaluation_s(sizes: Sizes, rate: float) -> float:
-    """The seconds of one run's evaluations (after every epoch, untimed in a race but not in the lesson's minutes):
-    the test images, forward only (a third of a training step's FLOPs), at a configuration's training ``rate``."""
-    return sizes.epochs * sizes.n_test / (3 * rate)
-
-
-def plan(steps, rate, *, sizes: Sizes = SIZES, compile_s: float = COMPILE_S, noise_seeds=NOISE_SEEDS) -> list[dict]:
-    """Lesson 08's parts with their planned seconds, before any runs: the noise (``noise_seeds`` runs of the job with
-    its data on the device), then each of ``steps`` ((name, options, not_here); those not here are left out) raced
-    against the configuration before it, as if every step were kept: each side's images over ``rate(options)``
-    (images/s; options None: the naive job), another seed's first round of the configuration before it (the race's
-    yardstick), ``compile_s`` where a step compiles first, and each run's evaluations (``evaluation_s``, at the rate
-    of the job with its data on the device: the lesson evaluates every model there)."""
-    def run_s(options) -> float:
-        batch = (options or {}).get("batch", sizes.batch)
-        return replace(sizes, batch=batch).images_per_run / rate(options)
-
-    device_job = {"pipeline": "device"}
-    evaluations = evaluation_s(sizes, rate(device_job))
-    rows = [{"part": f"noise: seeds {', '.join(map(str, noise_seeds))} of the job, data on the device",
-             "planned_s": len(noise_seeds) * (run_s(device_job) + evaluations)}]
-    kept = None
-    for name, options, not_here in steps:
-        if not_here:
-            continue
-        candidate = {**(kept or {}), **options}
-        startup = compile_s if candidate.get("compile") and not (kept or {}).get("compile") else 0.0
-        seconds = run_s(kept) + run_s(candidate) + 2 * evaluations + sizes.images_per_round / rate(kept) + startup
-        rows.append({"part": f"race: {name}", "planned_s": seconds})
-        kept = candidate
-    return rows

@@ -20,6 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .comparison import Comparison
@@ -238,13 +239,46 @@ class SameJob:
 class Budget:
     """The seconds a path may spend racing, from its start: each race's seconds are planned before it starts (the
     images of each side over the rate measured so far, plus start-up such as compilation), and a race that would not
-    end within the budget is refused, so that the whole run ends in time by construction."""
+    end within the budget is refused, so that the whole run ends in time by construction.
+
+    A budget shared by several cells (a lesson's noise, then its races) is ``pause()``-d between them and spent only
+    inside ``spending()`` blocks: a learner reading between the cells spends none of it. ``clock`` reads the time."""
 
     seconds: float = math.inf
-    started: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # the clock's reading at the start (default: when the budget is made)
+    clock: Callable[[], float] = time.perf_counter
+    paused_s: float = 0.0  # seconds between spending() blocks, not counted
+    _paused_at: float | None = None
+
+    def __post_init__(self):
+        if self.started is None:
+            self.started = self.clock()
 
     def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.started)
+        now = self.clock() if self._paused_at is None else self._paused_at
+        return self.seconds - (now - self.started - self.paused_s)
+
+    def pause(self) -> "Budget":
+        """Stop counting (until ``resume()``, or inside ``spending()``)."""
+        if self._paused_at is None:
+            self._paused_at = self.clock()
+        return self
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self.paused_s += self.clock() - self._paused_at
+            self._paused_at = None
+
+    @contextmanager
+    def spending(self):
+        """Count the time inside the block; a paused budget is paused again after it."""
+        paused = self._paused_at is not None
+        self.resume()
+        try:
+            yield self
+        finally:
+            if paused:
+                self.pause()
 
     def refuses(self, planned_s: float) -> str | None:
         """Why a race planned to take ``planned_s`` seconds is not started (None: it fits in what is left)."""

@@ -5,14 +5,12 @@ number comes from the one final race. Quick mode, on the CPU; trainings with fix
 import math
 import types
 
-import matplotlib.pyplot as plt
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gpulab
-from gpulab import busy, capstone, flops, racing
+from gpulab import busy, capstone, capstone_races, flops, racing
 from gpulab.comparison import Comparison
 from gpulab.models import SpeedrunNet
 
@@ -152,48 +150,43 @@ def fake_run(label, seconds, accuracy_after):
 def test_the_summary_takes_the_naive_job_from_the_first_race_and_the_optimised_one_from_the_race_that_kept_it(
         monkeypatch, results_dir):
     """On the H200 the summary mixed rows (the baseline's busy share was another row's; 39.5x in the table beside
-    54.1x in the text). The naive job trains once now, in the first race: the summary takes its numbers from that run,
+    54.1x in the text). The naive job trains once, in the first race: the summary takes its numbers from that run,
     the optimised configuration's from the race that kept it, the busy shares from windows of the same two
-    configurations, and races nothing more."""
+    configurations (the lesson's cell measures them), and races nothing more."""
     monkeypatch.setenv("GPULAB_QUICK", "1")
-    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
     first = racing.Race(Comparison.of([1.0] * 8, [0.5] * 8, labels=("naive job", "data on the GPU")),
                         fake_run("naive job", 1.0, 0.91), fake_run("data on the GPU", 0.5, 0.92))
     last = racing.Race(Comparison.of([0.5] * 8, [0.125] * 8, labels=("data on the GPU", "fused SGD")),
                        fake_run("data on the GPU", 0.5, 0.92), fake_run("fused SGD", 0.125, 0.93))
-    measured = {"naive job": busy.Busy("naive job", 5, 10.0, 0.11, 0.12, 0.5, 0.05),
-                "optimised": busy.Busy("optimised", 5, 2.0, 0.97, 0.98, 1.0, 0.85)}
-    profiled = []
-    monkeypatch.setattr(busy, "measure", lambda step, label, **kw: profiled.append(label) or measured[label])
     rows = [{"step": "data on the GPU", "kept": True, "vs_previous": 2.0},
             {"step": "fused SGD", "kept": True, "vs_previous": 4.0}]
-    path = types.SimpleNamespace(current=("fused SGD", {"pipeline": "device", "fused": True}), rows=rows,
-                                 results={"data on the GPU": first, "fused SGD": last})
-    scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
-    raced = []
-    scope.update(race=lambda *sides: raced.append(sides), path=path, judge=types.SimpleNamespace(target=0.88),
-                 STEPS=[("data on the GPU", {"pipeline": "device"}, None)], flops_per_image=1e7,
-                 ceilings={"fp32": flops.Ceiling("fp32", 0.05)}, log=gpulab.ResultLog("08_capstone"),
-                 steps=pd.DataFrame(rows), job=lambda *a, **k: (None,) * 3, BASE={"sync_each_step": True, "lr": 0.1})
-    run(scope, "08", "final, final_options = path.current")
-    assert raced == [] and profiled == ["naive job", "optimised"]
-    summary = scope["summary"]
+    races = capstone_races.Races(None, None, capstone.make_dataset(8, 8), capstone.SIZES, {},
+                                 log=gpulab.ResultLog("08_capstone"), device=torch.device("cpu"))
+    races.path = types.SimpleNamespace(current=("fused SGD", {"pipeline": "device", "fused": True}), rows=rows,
+                                       results={"data on the GPU": first, "fused SGD": last})
+    races.race = lambda *sides: pytest.fail("the summary races nothing")
+    races.judge = types.SimpleNamespace(target=0.88)
+    measured = {"naive job": busy.Busy("naive job", 5, 10.0, 0.11, 0.12, 0.5, 0.05),
+                "optimised": busy.Busy("optimised", 5, 2.0, 0.97, 0.98, 1.0, 0.85)}
+    summary = races.summary(measured["naive job"], measured["optimised"], 1e7, {"fp32": flops.Ceiling("fp32", 0.05)})
     assert summary.loc["samples/s (steady)"].tolist() == [512.0, 4096.0]
     assert summary.loc["seconds to the target"].tolist() == [first.baseline.time_to(0.88), last.candidate.time_to(0.88)]
     assert summary.loc[f"test accuracy after {capstone.SIZES.epochs} epochs"].tolist() == [0.91, 0.93]
     assert summary.loc["GPU busy: kernels (trace)"].tolist() == [0.11, 0.97]
     assert summary.loc["of achievable (measured ceiling)"].tolist() == pytest.approx(
         [512 * 1e7 / 0.05e12, 4096 * 1e7 / 0.05e12])
-    row = scope["log"].frame().iloc[-1]
+    row = races.log.frame().iloc[-1]
     assert row["speedup"] == 8.0 and row["speedup_of_kept_steps"] == 8.0  # 4096/512, and 2 x 4
     assert row["kernel_busy"] == 0.97 and row["samples_per_s"] == 4096.0 and row["naive_samples_per_s"] == 512.0
 
 
 def test_the_path_never_retries_a_step_over_a_later_kept_one():
-    """The H200's "torch.compile (again)" replaced the kept reduce-overhead with default: the lesson's path now
-    goes through racing.Path, whose test shows the retry refused (tests/test_racing.py)."""
-    source = code("08", "path = racing.Path(")
-    assert "path.step(" in source and "path.again(" in source and "racing.Path(race, judge=judge" in source
+    """The H200's "torch.compile (again)" replaced the kept reduce-overhead with default: the lesson's path goes through
+    racing.Path (capstone_races.Races.run_path), whose test shows the retry refused (tests/test_racing.py)."""
+    assert "races.run_path(STEPS)" in code("08", "races.run_path(")
+    races = capstone_races.Races(None, None, capstone.make_dataset(8, 8), capstone.SIZES, {})
+    races.run_path([])
+    assert isinstance(races.path, racing.Path) and races.path.rows == []
 
 
 def test_each_step_that_did_not_help_is_explained_from_the_trace_of_the_configuration_it_was_raced_on(monkeypatch,
@@ -212,11 +205,12 @@ def test_each_step_that_did_not_help_is_explained_from_the_trace_of_the_configur
     profiled = []
     monkeypatch.setattr(busy, "measure", lambda step, label, **kw: profiled.append((label, step)) or busy.Busy(
         label, 10, 5.0, 0.3))
-    scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False")  # its imports, data
-    scope.update(path=path, final="fused SGD", busy_naive=busy.Busy("naive job", 20, 9.0, 0.1),
-                 busy_final=busy.Busy("optimised", 20, 1.0, 0.95), one_step_of=lambda options: options)
+    races = capstone_races.Races(None, None, capstone.make_dataset(8, 8), capstone.SIZES, {})
+    races.path = path
+    scope = {"races": races, "torch": torch, "final": "fused SGD", "busy_naive": busy.Busy("naive job", 20, 9.0, 0.1),
+             "busy_final": busy.Busy("optimised", 20, 1.0, 0.95), "one_step_of": lambda options: options}
     capsys.readouterr()
-    run(scope, "08", "def why(row)")
+    run(scope, "08", "races.explain_dropped(")
     assert profiled == [("data on the GPU", {"pipeline": "device"})]  # once, for both steps raced on it
     lines = capsys.readouterr().out.splitlines()
     cpu = ("raced on 'data on the GPU', whose GPU ran kernels 30% of each step: the CPU set the pace: a step shows only "

@@ -1,24 +1,23 @@
-"""Lesson 08's verdicts and time plan: a step that changes no arithmetic is judged on the same losses from the same seed
-(within a tolerance measured against another seed), a numeric step on the accuracy against the seeds' spread; the
-naive and the data-on-the-device pipelines train the same thing; each verdict is logged as it is given; full mode is
-planned within 3 minutes on an H100 or H200 from the 2026-11-28 rates, and a race that would not fit is not started.
-Injected runs decide; the measurements run in quick mode on this CPU."""
+"""Lesson 08's verdicts and its budget: a step that changes no arithmetic is judged on the same losses from the same
+seed (within a tolerance measured against another seed), a numeric step on the accuracy against the seeds' spread; the
+naive and the data-on-the-device pipelines train the same thing; each verdict is logged as it is given; the noise and
+the races spend one budget, only while they run, and a race that would not fit is not started (the plan that sizes
+them: tests/test_lesson08_plan.py). Injected runs decide; the measurements run in quick mode on this CPU."""
 
 import math
 import time
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
 
 import gpulab
-from gpulab import capstone, datasheets, racing
+from gpulab import capstone, capstone_races, plans, racing
 from gpulab.comparison import Comparison
 from gpulab.models import SpeedrunNet
 from gpulab.racing import LOSSES_DIFFER, MISSED_TARGET, Race, Run, SameJob
 
-from .test_mfu_lessons_03_04 import code, run
+from .test_mfu_lessons_03_04 import run
 
 # ----- the verdicts, on injected runs -----------------------------------------------------------------------------
 
@@ -119,11 +118,22 @@ def test_the_loss_gap_compares_the_first_rounds_step_by_step():
 
 # ----- the measurements behind the tolerance, in quick mode on this CPU ---------------------------------------------
 
+QUICK_PLAN = plans.plan_for("08", plans.Card("CPU", None, 2, 0), quick=True)
+
+
+def lesson_scope(plan=QUICK_PLAN, **scope) -> dict:
+    """Lesson 08's globals after its imports, the data and the job's cells, in quick mode on this CPU (``plan``: the
+    plan its planning cell would print), and its races (``capstone_races.Races``) over them."""
+    scope = run({"device": torch.device("cpu"), "gpulab": gpulab, "plan": plan, **scope}, "08", "USE_CIFAR10 = False",
+                "def train_naive", "BASE = dict(", "def job(", "def captured(")
+    scope["races"] = capstone_races.Races(scope["train_naive"], scope["train"], scope["data"], scope["sizes"],
+                                          scope["BASE"], device=torch.device("cpu"))
+    return scope
+
+
 @pytest.fixture(scope="module")
 def lesson():
-    """Lesson 08's globals after its imports, the data and the job's cells, in quick mode on this CPU."""
-    scope = run({"device": torch.device("cpu"), "gpulab": gpulab}, "08", "USE_CIFAR10 = False", "def train_naive",
-                "def session(", "BASE = dict(")
+    scope = lesson_scope()
     yield scope
     torch.set_float32_matmul_precision("highest")
 
@@ -181,110 +191,76 @@ def test_the_naive_and_the_data_on_the_device_pipelines_train_the_same_thing(les
     for epoch in (0, 1):
         for (x, y), (x_dev, y_dev) in zip(per_sample(epoch), on_device(epoch)):
             assert torch.equal(x, x_dev) and torch.equal(y, y_dev)
-    naive, device_job, other = (lesson["session"](options, seed) for options, seed in
+    naive, device_job, other = (lesson["races"].session(options, seed) for options, seed in
                                 [(None, 0), (dict(pipeline="device"), 0), (None, 1)])
     naive, device_job, other = ([next(r[0]) for _ in range(capstone.SIZES.rounds)] for r in (naive, device_job, other))
     assert naive == device_job and racing.loss_gap(naive, other) > 0.05
 
 
-# ----- every verdict logged as it is given ----------------------------------------------------------------------------
+# ----- every verdict logged as it is given, and one budget spent only while the noise and the races run ------------
 
-def test_a_run_stopped_mid_path_has_logged_every_verdict_it_gave(lesson, monkeypatch, results_dir):
+def injected(lesson, race, **budget):
+    """The lesson's races with ``race`` injected, its noise two injected runs, the naive job's first round measured."""
+    races = capstone_races.Races(lesson["train_naive"], lesson["train"], lesson["data"], lesson["sizes"], lesson["BASE"],
+                                 log=gpulab.ResultLog("08_capstone"), device=torch.device("cpu"), **budget)
+    races.noise = [Run(f"seed {s}", (1.0,), (0.92,), 100, ((2.0,),)) for s in capstone.NOISE_SEEDS]
+    races.rates = {capstone_races.key(None): 1e9, capstone_races.key(capstone_races.DEVICE_JOB): 1e9}
+    races.race = race
+    return races
+
+
+def test_a_run_stopped_mid_path_has_logged_every_verdict_it_gave(lesson, results_dir):
     """The 2026-11-28 H200 run was stopped at its limit inside the path, whose rows were logged after the loop: no
-    verdict was kept. The lesson's path logs each row as Path gives its verdict."""
-    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
-    scope = dict(lesson, quick_mode=lambda: False, display=lambda *a: None, log=gpulab.ResultLog("08_capstone"))
-    noise = [Run(f"seed {s}", (1.0,), (0.92,), 100, ((2.0,),)) for s in capstone.NOISE_SEEDS]
-
+    verdict was kept. The path logs each row as Path gives its verdict."""
     def race(current, candidate):
         if candidate[0] == "stopped here":
             raise KeyboardInterrupt  # the verification's time limit
-        scope["rates"][candidate[0]] = 1e9
+        lesson_races.rates[capstone_races.key(candidate[1])] = 1e9
         return a_race(3.0)
 
-    scope.update(noise=noise, race=race, rates={"naive job": 1e9, "data on the GPU": 1e9},
-                 noise_s=capstone.BUDGET_S - 60.0,
-                 STEPS=[("fast", {"pipeline": "device"}, None), ("GPU only", {"graph": True}, "CUDA only"),
-                        ("slow", {"fused": True}, None), ("stopped here", {"compile": "default"}, None)])
+    lesson_races = injected(lesson, race, budget_s=1e6)
+    steps = [("fast", {"pipeline": "device"}, None), ("GPU only", {"graph": True}, "CUDA only"),
+             ("slow", {"fused": True}, None), ("stopped here", {"compile": "default"}, None)]
     with pytest.raises(KeyboardInterrupt):
-        run(scope, "08", "path = racing.Path(")
+        lesson_races.run_path(steps)
     logged = pd.read_csv(results_dir / "08_capstone.csv")
-    assert logged.step.tolist() == ["fast", "GPU only", "slow"] and scope["path"].running == "stopped here"
+    assert logged.step.tolist() == ["fast", "GPU only", "slow"] and lesson_races.path.running == "stopped here"
     assert logged.note.tolist()[:2] == ["kept", "CUDA only"] and logged.judged_on[0] == "losses"
 
 
-def test_time_spent_reading_the_plan_before_running_the_path_costs_no_race(lesson, monkeypatch, results_dir):
-    """Full mode's budget was started in the noise's cell, whose plan a learner reads before running the path's: a
-    few minutes' reading left "0 s of the lesson's budget" and every race after the first was refused. The noise's
-    seconds count; the time between the cells does not. (A fake clock: the learner reads for ten minutes.)"""
+def test_the_budget_counts_only_the_time_inside_its_blocks():
+    now = [0.0]
+    budget = racing.Budget(100.0, clock=lambda: now[0]).pause()
+    now[0] = 50.0  # made, then read about for 50 s: nothing spent
+    with budget.spending():
+        now[0] += 30.0
+    now[0] += 600.0  # between two cells
+    assert budget.left() == 70.0
+    with budget.spending():
+        now[0] += 20.0
+        assert budget.left() == 50.0
+    assert budget.left() == 50.0 and racing.Budget(10.0, clock=lambda: now[0]).left() == 10.0
+
+
+def test_time_spent_reading_between_the_noise_and_the_path_costs_no_race(lesson, results_dir, monkeypatch):
+    """Full mode's budget was once started in the noise's cell, whose plan a learner reads before running the path's:
+    a few minutes' reading left "0 s of the lesson's budget" and every race after the first was refused. The noise and
+    the races now spend one budget, and only while they run. (A fake clock: the noise takes 60 s, the learner reads for
+    ten minutes, the budget is 100 s.)"""
     now = [0.0]
 
-    class Clocked(racing.Budget):
-        def left(self) -> float:
-            return self.seconds - (now[0] - self.started)
-
-    monkeypatch.setattr(racing, "Budget", lambda seconds: Clocked(seconds, started=now[0]))
-    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
-    scope = run(dict(lesson, quick_mode=lambda: False, display=lambda *a: None), "08", "def session(")  # bound here
-
     def race(current, candidate):
-        scope["rates"][candidate[0]] = 1e9
+        now[0] += 5.0
+        lesson_races.rates[capstone_races.key(candidate[1])] = 1e9
         return a_race(3.0)
 
-    scope.update(session=lambda options, seed=0: (iter([[2.0, 1.9]] * 9), lambda: 0.9), race=race,
-                 STEPS=[("fast", {"pipeline": "device"}, None), ("fused", {"fused": True}, None)])
-    run(scope, "08", "for seed in capstone.NOISE_SEEDS")  # the noise (injected runs) and the plan
+    lesson_races = injected(lesson, race, budget_s=100.0)
+    lesson_races.budget = racing.Budget(100.0, clock=lambda: now[0]).pause()
+    with lesson_races.budget.spending():
+        now[0] += 60.0  # the noise
     now[0] += 600.0
-    run(scope, "08", "path = racing.Path(")
-    assert [row["note"] for row in scope["path"].rows] == ["kept", "kept"]
-
-
-# ----- the time plan: full mode within 3 minutes on an H100 or H200 -------------------------------------------------
-
-NAIVE_PER_S = 11_491 / 3.53  # 2026-11-28 H200, quick mode: "data on the GPU" 11,491 images/s, 3.53x the naive job
-FLOPS_PER_IMAGE = 7.25e9  # full mode's network, a training image (test_lesson08_capstone.py counts it)
-
-
-def full_mode_steps(card: str) -> list:
-    """The lesson's STEPS as a GPU in full mode sees them."""
-    sizes = capstone.FULL_SIZES
-    scope = {"sizes": sizes, "n_train": sizes.n_train, "on_gpu": True, "quick_mode": lambda: False, "torch": torch,
-             "amp_dtype": torch.bfloat16}
-    exec(compile(code("08", "STEPS = ["), "<lesson 08: STEPS>", "exec"), scope)
-    return scope["STEPS"]
-
-
-@pytest.mark.parametrize("card", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
-def test_full_mode_is_planned_within_3_minutes_from_the_2026_11_28_rates(card):
-    """The naive job: the per-sample pipeline's 3,250 images/s (the H200's 16-core host, quick mode, where the network's
-    work is negligible; with torchvision's RandomCrop and RandomHorizontalFlip objects, heavier per image than the
-    lesson's functional crops and flips since) followed, step by step, by the full network's float32 step: the per-step
-    .item() and the in-process loader let neither overlap the other. The device's configurations, not measured in
-    full mode yet, estimated from the FLOPs: float32 (TF32 convolutions) at 10 % and bf16 at 20 % of the card's dense
-    bf16 peak (capstone.PLAN_MFU; the lesson aims at 40 %); a first compile 25 s (22.7 s on the H200); the evaluations
-    at the float32 rate. Each part as capstone.plan adds it up, then the fixed parts: under 3 minutes with every step
-    raced. By construction, whatever the rates: the noise and the races stop at capstone.BUDGET_S."""
-    peak = datasheets.peak(card, "bf16")
-    fp32, bf16 = (capstone.planned_rate(FLOPS_PER_IMAGE, peak, p) for p in ("fp32", "bf16"))
-    naive = 1 / (1 / NAIVE_PER_S + 1 / fp32)
-
-    def rate(options):
-        if options is None or options.get("pipeline", "per-sample") == "per-sample":
-            return naive
-        return bf16 if options.get("amp") else fp32
-
-    steps = full_mode_steps(card)
-    assert [not_here for *_, not_here in steps] == [None] * 7  # every step races on such a card
-    plan = pd.DataFrame(capstone.plan(steps, rate, sizes=capstone.FULL_SIZES))
-    fixed = sum(capstone.FIXED_S.values())
-    total = plan.planned_s.sum() + fixed
-    print(f"\n{card}: naive {naive:,.0f}, float32 {fp32:,.0f} and bf16 {bf16:,.0f} images/s planned\n"
-          f"{plan.round(1).to_string()}\nfixed parts {fixed:.0f} s; total {total:.0f} s = {total / 60:.2f} min")
-    assert plan.planned_s.sum() <= capstone.BUDGET_S  # every race fits in the budget: none is refused
-    assert total <= 180 and fixed + capstone.BUDGET_S <= 180
-    full = capstone.FULL_SIZES  # the first race: the naive job and the data on the device, evaluations, a naive round
-    assert plan.planned_s.iloc[1] == pytest.approx(full.images_per_run * (1 / naive + 1 / fp32) + 2 * full.epochs
-                                                   * full.n_test / (3 * fp32) + full.images_per_round / naive)
+    path = lesson_races.run_path([("fast", {"pipeline": "device"}, None), ("fused", {"fused": True}, None)])
+    assert [row["note"] for row in path.rows] == ["kept", "kept"] and lesson_races.budget.left() == 30.0
 
 
 def test_a_race_that_would_not_end_within_the_budget_is_not_started():
