@@ -190,6 +190,18 @@ def rule_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int)
     return 6 * n_params + 12 * n_layer * n_embd * seq_len
 
 
+FUSED_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def kernel_flops(count: Count, seq_len: int) -> float:
+    """The FLOPs the kernels of a counted step run, its attention causal (lesson 09 writes this out): FlopCounterMode
+    counts each fused attention kernel over the whole T×T square; they skip the tiles above the diagonal, so count
+    the lower triangle, (T + 1) / 2T of it (the least they run: whole tiles on the diagonal add a few percent)."""
+    fused = sum(n for op, n in count.by_operator().items() if op.removesuffix("_backward") in FUSED_ATTENTION)
+    return count.total - fused * (1 - (seq_len + 1) / (2 * seq_len))
+
+
 # ----- the ceiling: the best matmul this device reaches in a precision -----------------------------------------------
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import nvml
-from .device import get_device, on_gpu
+from .device import get_device, on_gpu, sync
 
 TIMELINE_COLUMNS = ["event", "phase", "action", "op", "bytes", "allocated"]
 
@@ -203,6 +203,22 @@ class WorkspaceMeter(TorchDispatchMode):
         rows = [(op, calls, scratch) for op, (calls, scratch) in self._largest.items()]
         frame = pd.DataFrame(rows, columns=["op", "calls", "scratch_bytes"])
         return frame.sort_values("scratch_bytes", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def peak_bytes(run, device=None) -> int:
+    """The most memory ``run()`` allocated above what was allocated before it: the CUDA allocator's peak on a GPU, a
+    ``MemoryTracker``'s on a CPU."""
+    device = get_device(device)
+    if on_gpu(device):
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with MemoryTracker() as tracker:
+        run()
+    return tracker.peak
 
 
 # ----- snapshots of the CUDA caching allocator --------------------------------------------------------

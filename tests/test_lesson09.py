@@ -1,16 +1,20 @@
-"""Lesson 09: the text and the GPT the lesson writes out, and the exercise checks: each question accepts the solution it
-shows and an unusual right answer, calls a blank answer "not attempted", and rejects plausible wrong answers with a
-message that names the mistake. No check times the learner's code."""
+"""Lesson 09: the text, the GPT and the causal kernels' FLOPs the lesson writes out (gpulab holds the same code for
+lessons 10 and 11), and the exercise checks: each question accepts the solution it shows and an unusual right answer,
+calls a blank answer "not attempted", and rejects plausible wrong answers with a message that names the mistake. No
+check times the learner's code."""
 
-import nbformat
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpulab import datasheets, flops, text
 from gpulab.check import ____
 from gpulab.questions import lesson09
 
-from .conftest import ROOT, checker_values, shown_solution
+from .conftest import checker_values, shown_solution
+from .lesson_cells import Cells
+
+LESSON = Cells("09_mfu_and_attention.ipynb")
 
 
 def blank_function(*args, **kwargs):
@@ -44,21 +48,17 @@ def test_batches_are_windows_and_their_next_tokens_and_decode_reads_them():
     assert text.decode([104, 105, text.EOT, 33]) == "hi\n<EOT>\n!"
 
 
-def lesson_model_cell():
-    nb = nbformat.read(ROOT / "notebooks" / "09_transformers.ipynb", as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code" and "class GPT(nn.Module)" in c.source)
-
-
 def lesson_model():
-    """The lesson's GPTConfig and GPT, as its cell defines them."""
+    """The lesson's GPTConfig and GPT, as its two model cells define them."""
     import dataclasses
     import math
 
     from torch.utils.checkpoint import checkpoint
 
-    source = lesson_model_cell().split("\ncfg = GPTConfig(**SIZE)")[0]
     scope = {"__name__": "lesson09_cell", "math": math, "torch": torch, "nn": torch.nn, "F": torch.nn.functional,
              "text": text, "dataclass": dataclasses.dataclass, "checkpoint": checkpoint}
+    LESSON.run(scope, "def manual_attention")
+    source = LESSON.code("class GPT(nn.Module)").split("\ncfg = GPTConfig(**SIZE)")[0]
     exec(compile(source, "<lesson 09's model cell>", "exec"), scope)
     return scope["GPTConfig"], scope["GPT"]
 
@@ -72,6 +72,16 @@ def test_the_gpt_the_lesson_writes_out_is_gpulabs(options):
     idx = torch.randint(0, text.VOCAB, (2, 32))
     assert torch.equal(ours(idx), theirs(idx)) and ours(idx).shape == (2, 32, text.VOCAB)
     assert torch.equal(ours(idx, idx), theirs(idx, idx))
+
+
+def test_the_causal_kernel_flops_the_lesson_writes_out_are_gpulabs():
+    """Lessons 10 and 11 count HFU with gpulab.flops.kernel_flops; lesson 09 writes it out: the same count."""
+    scope = {"flops": flops}
+    LESSON.define(scope, "def kernel_flops", "FUSED_ATTENTION", "kernel_flops")
+    assert scope["FUSED_ATTENTION"] == flops.FUSED_ATTENTION
+    q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
+    counted = flops.count(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+    assert scope["kernel_flops"](counted, 128) == flops.kernel_flops(counted, 128) < counted.total
 
 
 def test_padding_the_vocabulary_changes_no_weight_and_no_loss():
@@ -288,105 +298,7 @@ def test_q2_on_a_cpu_refuses_another_cards_peaks():
     assert lesson09.q2.last.status == "wrong" and "no datasheet lists this device" in lesson09.q2.last.message
 
 
-# ----- q3: a graph break found and fixed ----------------------------------------------------------------------------------
-
-def scaled_by_fmin(x, w1, w2, limit=4.0):
-    """Unusual but right: the scale as a factor capped at 1 by torch.fmin, which ignores a NaN (as scaled_mlp's
-    `peak > limit` is False for one)."""
-    h = x @ w1
-    return torch.relu(h * torch.fmin(limit / h.abs().amax(), torch.ones(()))) @ w2
-
-
-def scaled_by_clamp(x, w1, w2, limit=4.0):
-    """Right on ordinary inputs, but a clamp of limit / NaN is NaN: one NaN in the input spreads to every row."""
-    h = x @ w1
-    return torch.relu(h * torch.clamp(limit / h.abs().amax(), max=1.0)) @ w2
-
-
-def scaled_by_a_mask(x, w1, w2, limit=4.0):
-    """Right on ordinary inputs, but on an all-zero input 0 × (limit / 0) = 0 × inf is NaN."""
-    h = x @ w1
-    peak = h.abs().amax()
-    over = (peak > limit).float()
-    return torch.relu(over * h * (limit / peak) + (1 - over) * h) @ w2
-
-
-def compiled_path_differs(x, w1, w2, limit=4.0):
-    """Right eagerly; under torch.compile it drops the scaling (no break, but another computation)."""
-    if torch.compiler.is_compiling():
-        return torch.relu(x @ w1) @ w2
-    return lesson09.scaled_mlp(x, w1, w2, limit)
-
-
-def item_kept(x, w1, w2, limit=4.0):
-    """.item() kept, which capture_scalar_outputs=True puts in the graph: the number still goes to Python."""
-    h = x @ w1
-    factor = torch.full((), limit) / h.abs().max().item()
-    return torch.relu(torch.where(factor < 1, h * factor, h)) @ w2
-
-
-def branch_dropped(x, w1, w2, limit=4.0):
-    return torch.relu(x @ w1) @ w2
-
-
-def always_scaled(x, w1, w2, limit=4.0):
-    h = x @ w1
-    return torch.relu(h * (limit / h.abs().amax())) @ w2
-
-
-def largest_value_not_magnitude(x, w1, w2, limit=4.0):
-    h = x @ w1
-    peak = h.amax()
-    return torch.relu(torch.where(peak > limit, h * (limit / peak), h)) @ w2
-
-
-def branch_on_a_tensor(x, w1, w2, limit=4.0):
-    h = x @ w1
-    peak = h.abs().amax()
-    if peak > limit:  # no .item(), still a branch on data
-        h = h * (limit / peak)
-    return torch.relu(h) @ w2
-
-
-def values_clamped(x, w1, w2, limit=4.0):
-    return torch.relu(torch.clamp(x @ w1, -limit, limit)) @ w2
-
-
-@pytest.mark.parametrize("answer", [lambda: right(lesson09.q3, "scaled_mlp_fixed"), lambda: scaled_by_fmin],
-                         ids=["shown", "fmin"])
-def test_q3_accepts_right_answers(answer):
-    lesson09.q3.check(answer())
-    assert lesson09.q3.last.status == "correct", lesson09.q3.last.message
-
-
-@pytest.mark.parametrize("wrong, says", [
-    (lesson09.scaled_mlp, "graph break"),
-    (branch_on_a_tensor, "graph break"),
-    (branch_dropped, "past the limit"),
-    (always_scaled, "stay within the limit"),
-    (largest_value_not_magnitude, "past the limit"),
-    (values_clamped, "computes something else"),
-    (scaled_by_clamp, "on an input with one NaN"),
-    (scaled_by_a_mask, "on an all-zero input"),
-    (compiled_path_differs, "under torch.compile your function computes something else"),
-    (lambda x, w1, w2, limit=4.0: (x @ w1).tolist(), "return the MLP's output"),
-])
-def test_q3_rejects_plausible_wrong_answers(wrong, says):
-    lesson09.q3.check(wrong)
-    assert lesson09.q3.last.status == "wrong"
-    assert says in lesson09.q3.last.message, lesson09.q3.last.message
-
-
-def test_q3_rejects_item_kept_under_capture_scalar_outputs():
-    """A learner who set capture_scalar_outputs=True sees no break from .item(); the check runs Dynamo's default."""
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        lesson09.q3.check(item_kept)
-        assert torch._dynamo.config.capture_scalar_outputs  # the learner's setting is left as it was
-    assert lesson09.q3.last.status == "wrong"
-    assert "capture_scalar_outputs=True only hides the .item() break" in lesson09.q3.last.message
-
-
-# ----- q4: which attention backend ran ------------------------------------------------------------------------------------
+# ----- q3: which attention backend ran ------------------------------------------------------------------------------------
 
 def by_operator(names):
     """Unusual but right: the operator SDPA called, looked up by its name's end."""
@@ -429,11 +341,11 @@ def efficient_forgotten(names):
     return "flash" if "flash" in joined else "math"
 
 
-@pytest.mark.parametrize("answer", [lambda: right(lesson09.q4, "attention_backend"), lambda: by_operator],
+@pytest.mark.parametrize("answer", [lambda: right(lesson09.q3, "attention_backend"), lambda: by_operator],
                          ids=["shown", "by-operator"])
-def test_q4_accepts_right_answers(answer):
-    lesson09.q4.check(answer())
-    assert lesson09.q4.last.status == "correct", lesson09.q4.last.message
+def test_q3_accepts_right_answers(answer):
+    lesson09.q3.check(answer())
+    assert lesson09.q3.last.status == "correct", lesson09.q3.last.message
 
 
 @pytest.mark.parametrize("wrong, says", [
@@ -444,10 +356,10 @@ def test_q4_accepts_right_answers(answer):
     (lambda names: 1, "the backend that ran is"),
     ("flash", "pass your function itself"),
 ])
-def test_q4_rejects_plausible_wrong_answers(wrong, says):
-    lesson09.q4.check(wrong)
-    assert lesson09.q4.last.status == "wrong"
-    assert says in lesson09.q4.last.message, lesson09.q4.last.message
+def test_q3_rejects_plausible_wrong_answers(wrong, says):
+    lesson09.q3.check(wrong)
+    assert lesson09.q3.last.status == "wrong"
+    assert says in lesson09.q3.last.message, lesson09.q3.last.message
 
 
 def test_the_profiles_recorded_here_name_the_forced_backend():
@@ -488,18 +400,17 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("question, reference, fallback, args", [
     (lesson09.q1, lambda *cfg: float(lesson09.counted_flops_per_token(*cfg)), 0.0, ()),
     (lesson09.q2, lesson09.expected_mfu, -1.0, MEASURED),
-    (lesson09.q3, lesson09.scaled_mlp, torch.zeros(16, 8), ()),
-    (lesson09.q4, lesson09.backend_that_ran, "none", ()),
-], ids=["q1", "q2", "q3", "q4"])
+    (lesson09.q3, lesson09.backend_that_ran, "none", ()),
+], ids=["q1", "q2", "q3"])
 def test_stack_walking_answers_find_no_expected_value(question, reference, fallback, args):
     answer = walking(reference, fallback)
     question.check(answer, *args)
     assert question.last.status == "wrong" and answer.found == [], (question.last.message, answer.found[:3])
 
 @pytest.mark.gpu
-def test_q4_is_right_on_this_gpus_own_profiles():
-    lesson09.q4.check(right(lesson09.q4, "attention_backend"))
-    assert lesson09.q4.last.status == "correct" and "your machine's" in lesson09.q4.last.message
+def test_q3_is_right_on_this_gpus_own_profiles():
+    lesson09.q3.check(right(lesson09.q3, "attention_backend"))
+    assert lesson09.q3.last.status == "correct" and "your machine's" in lesson09.q3.last.message
 
 
 # ----- blanks ------------------------------------------------------------------------------------------------------------
@@ -507,7 +418,7 @@ def test_q4_is_right_on_this_gpus_own_profiles():
 @pytest.mark.parametrize("question, blank", [
     (lesson09.q1, (blank_function,)), (lesson09.q1, (____,)),
     (lesson09.q2, (blank_function, *MEASURED)), (lesson09.q2, (____, *MEASURED)),
-    (lesson09.q3, (blank_function,)), (lesson09.q4, (blank_function,)),
+    (lesson09.q3, (blank_function,)),
 ])
 def test_blank_answers_are_not_attempted(question, blank):
     question.check(*blank)

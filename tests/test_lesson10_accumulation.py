@@ -1,7 +1,8 @@
-"""Lesson 09's training steps accumulate gradients into stable ``.grad`` buffers, zeroed in place, in every
-configuration of the waterfall: the recipe torch gives for gradient accumulation with CUDA graphs. The 2026-11-28
-H200 run crashed at the "CUDA graphs" step (``torch.compile(mode="reduce-overhead")``, 8 micro-batches a step):
-"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run".
+"""Lesson 10's training steps (the waterfall: lesson 09's section 4 until lesson 09 was split) accumulate gradients
+into stable ``.grad`` buffers, zeroed in place, in every configuration of the waterfall: the recipe torch gives for
+gradient accumulation with CUDA graphs. The 2026-11-28 H200 run crashed at the "CUDA graphs" step
+(``torch.compile(mode="reduce-overhead")``, 8 micro-batches a step): "accessing tensor output of CUDAGraphs that
+has been overwritten by a subsequent run".
 
 What a CPU can show runs here: the buffers are the same tensors at every micro-batch and step, zeroed in place at
 each step's start; the gradients and the training are bit for bit those of ``zero_grad(set_to_none=True)``; and with
@@ -18,8 +19,8 @@ from torch._dynamo.utils import counters
 
 from gpulab import text
 
-from . import test_lesson09_gpu_path as gpu_path
-from .test_lesson09_gpu_path import define, run
+from . import test_lesson10_gpu_path as gpu_path
+from .test_lesson10_gpu_path import define, run
 
 lesson, waterfall = gpu_path.lesson, gpu_path.waterfall  # the lesson's fixtures, by name in the tests below
 
@@ -160,6 +161,7 @@ def reachable_batches(waterfall) -> set:
         scope = {name: waterfall[name] for name in ("cfg", "on_gpu", "info", "amp_dtype")}
         scope.update(by_mode=lambda full, quick, mode=quick: quick if mode else full,
                      quick_mode=lambda mode=quick: mode, per_token=1.0)
+        define(scope, "import itertools", "WATERFALL")
         define(scope, "def run_steps", "STEP_BASE")
         define(scope, "cpu_quick = ", "cpu_quick", "larger", "STEPS")
         steps = [options for _, options, _ in scope["STEPS"]]
@@ -212,7 +214,7 @@ def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tens
              "display": lambda *args: None}
     before = torch.get_float32_matmul_precision()
     try:
-        run(scope, "import gc", "class GPT(nn.Module)")
+        run(scope, "import itertools")
         scope["train_tokens"], _ = text.split(text.python_source(max_bytes=200_000))
         scope.update(cfg=scope["GPTConfig"](**scope["SIZE"]), per_token=1.0)
         run(scope, "def run_steps")
