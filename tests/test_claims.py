@@ -133,4 +133,4 @@ def test_the_readme_holds_the_commands_table(capsys):
 
 @pytest.mark.parametrize("claim", claims.CLAIMS, ids=lambda c: c.reference)
 def test_every_claim_names_a_lesson_and_a_source(claim):
-    assert re.fullmatch(r"0\d", claim.lesson) and re.fullmatch(r"\d{3}(, \d{3})*", claim.source)
+    assert re.fullmatch(r"\d\d", claim.lesson) and re.fullmatch(r"\d{3}(, \d{3})*", claim.source)

@@ -45,13 +45,13 @@ SURFACE = (
             "torch/_inductor/cudagraph_trees.py: a new generation frees the last one's outputs (format_dealloc_msg; "
             "in 2.14 its gradient-output message advises stable, preallocated .grad buffers); AccumulateGrad adds "
             "into an existing .grad in place (torch/csrc/autograd/functions/accumulate_grad.h)",
-            "lesson 09 full mode: the 'CUDA graphs' step with accumulation over several micro-batches runs, and its "
+            "lesson 10 full mode: the 'CUDA graphs' step with accumulation over several micro-batches runs, and its "
             "loss gap stays within the race's tolerance"),
     GpuOnly("Triton kernels: torch.compile's GPU code and triton.testing.do_bench",
             ("torch.compile(", "do_bench"),
             "torch/_inductor (Triton code generation for CUDA tensors; a CPU gets C++ instead); "
             "triton/testing.py do_bench (its own L2 flush and CUDA events)",
-            "lessons 06 and 09 full mode compile and run; `gpulab bench` agrees with do_bench"),
+            "lessons 06, 10 and 11 full mode compile and run; `gpulab bench` agrees with do_bench"),
     GpuOnly("A CUDA C kernel built at run time, and CUDA_LAUNCH_BLOCKING in a fresh process",
             ("CUDA_LAUNCH_BLOCKING",),
             "torch/utils/cpp_extension.py (load_inline with nvcc); CUDA_LAUNCH_BLOCKING is read when the CUDA "
@@ -101,7 +101,7 @@ SURFACE = (
             ("ProfilerActivity.CUDA",),
             "torch/profiler/profiler.py (profile, schedule: one cycle with repeat=1) and Kineto's CUPTI activity; "
             "HolisticTraceAnalysis reads the exported trace",
-            "busy.measure in lessons 02, 08 and 09, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
+            "busy.measure in lessons 02, 08 and 10, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
     GpuOnly("The caching allocator's real numbers: reserved memory, fragmentation, workspaces, the CUDA context",
             ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
             "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "
@@ -131,7 +131,7 @@ SURFACE = (
             "torch/backends/cuda/__init__.py (matmul precision: cuBLAS TF32); torch._scaled_mm (FP8, compute "
             "capability 8.9 and newer: aten/src/ATen/native/cuda/Blas.cpp; the stand-in plays its refusal below "
             "sm_89 and its layout checks, and multiplies on the CPU where torch has a CPU kernel, from 2.14)",
-            "lessons 04 and 09: the TF32 step's loss gap within tolerance; FP8 close to bf16 on an L4 or H100"),
+            "lessons 04 and 10: the TF32 step's loss gap within tolerance; lesson 11: FP8 close to bf16 on an L4 or H100"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",

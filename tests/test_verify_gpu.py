@@ -184,18 +184,20 @@ def test_the_next_run_on_the_h200_starts_with_what_broke_there_and_ships_what_it
         reference / f"{planning.VERIFY_NAME}.csv", index=False)  # the rows shipped from 2026-11-28
     clock, calls = FakeClock(), []
     _fake_runs(monkeypatch, clock, {("00_setup", "quick"): 20, ("08_capstone", "quick"): 20,
-                                    ("09_transformers", "quick"): 20, ("08_capstone", "full"): 150,
-                                    ("09_transformers", "full"): 100, ("00_setup", "full"): 20}, calls)
-    notebooks = [tmp_path / f"{stem}.ipynb" for stem in ("00_setup", "08_capstone", "09_transformers")]
-    parts = verify.verify_parts(notebooks, ["smoke", "00", "08", "09"], tests=tmp_path)
+                                    ("10_gpt_made_fast", "quick"): 20, ("08_capstone", "full"): 150,
+                                    ("10_gpt_made_fast", "full"): 100, ("00_setup", "full"): 20}, calls)
+    notebooks = [tmp_path / f"{stem}.ipynb" for stem in ("00_setup", "08_capstone", "10_gpt_made_fast")]
+    parts = verify.verify_parts(notebooks, ["smoke", "00", "08", "10"], tests=tmp_path)
     verify.verify(parts, tmp_path / "out", budget_s=9 * 60, slots=3, monitor=FakeMonitor(), clock=clock,
                   log=lambda *a: None)
-    # after the smoke run (60 s on this clock): 08, which timed out last time, then 09, which failed, each stopped by
-    # the budget's end (540 s less 10 s for the last files and 35 s to end it) before its own 8 and 6 minutes; then 00
-    assert [call for call in calls if call[1] == "full"] == [("08_capstone", "full", 435), ("09_transformers", "full", 285),
-                                                             ("00_setup", "full", 90)]
+    # after the smoke run (60 s on this clock): 08, which timed out last time, then 10, which failed (as 09_transformers:
+    # lesson 09's waterfall before the split), stopped by the budget's end (540 s less 10 s for the last files and 35 s
+    # to end it) before its own 8 minutes, 10 at twice its 2.3 minutes; then 00
+    assert [call for call in calls if call[1] == "full"] == [("08_capstone", "full", 435),
+                                                             ("10_gpt_made_fast", "full", 276), ("00_setup", "full", 90)]
     timed = results.reference(planning.VERIFY_NAME).set_index("part")
-    assert timed["status"].to_dict() == {"08_capstone": "passed", "09_transformers": "passed", "00_setup": "passed"}
+    assert timed["status"].to_dict() == {"08_capstone": "passed", "09_transformers": "FAILED",
+                                         "10_gpt_made_fast": "passed", "00_setup": "passed"}
     assert planning.expected("08", "08_capstone", "NVIDIA H200", results.reference(planning.VERIFY_NAME)).measured
 
 

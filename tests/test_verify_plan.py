@@ -20,7 +20,8 @@ H200_RUN = ROOT / "tests" / "data" / "verify" / "2026-11-28-h200"  # the verific
 
 
 def _h200_rows() -> pd.DataFrame:
-    """The verify_gpu rows the 2026-11-28 H200 run wrote: 08 timed out (361 s), 09 failed (129 s)."""
+    """The verify_gpu rows the 2026-11-28 H200 run wrote: 08 timed out (361 s), 09 failed (129 s: its waterfall, lesson
+    10 since the split)."""
     return pd.concat([results.load(H200_RUN / part / "verify_gpu.csv") for part in ("full-08", "full-09")],
                      ignore_index=True)
 
@@ -67,7 +68,8 @@ def test_a_run_of_this_gpu_class_replaces_the_planning_number():
 
 
 def test_a_part_that_failed_or_was_stopped_keeps_its_planned_minutes_and_may_run_past_where_it_got():
-    # the H200 run of 2026-11-28: 08 stopped at its 6-minute limit after 361 s, 09 failed after 129 s
+    # the H200 run of 2026-11-28: 08 stopped at its 6-minute limit after 361 s, 09 failed after 129 s at the CUDA graphs
+    # step of its waterfall, which is lesson 10 since lesson 09 was split: 10 inherits the failure, the new 09 nothing
     h200 = _h200_rows()
     stopped = planning.expected("08", "08_capstone", H200, h200)
     assert stopped.minutes == PLANNED["08"].minutes and not stopped.measured and stopped.ran == 6.0
@@ -75,9 +77,10 @@ def test_a_part_that_failed_or_was_stopped_keeps_its_planned_minutes_and_may_run
     assert stopped.source().startswith(f"estimate: {PLANNED['08'].basis}")
     assert stopped.source().endswith("its last run on NVIDIA H200 (2026-11-28) timed out after 6.0 min and measured "
                                      "nothing")
-    failed = planning.expected("09", "09_transformers", H200, h200)
-    assert failed.minutes == PLANNED["09"].minutes and failed.ran == 2.1 and failed.stop_s() == 360
+    failed = planning.expected("10", "10_gpt_made_fast", H200, h200)
+    assert failed.minutes == PLANNED["10"].minutes and failed.ran == 2.1 and failed.stop_s() == 276  # twice 2.3 min
     assert "failed after 2.1 min" in failed.source()
+    assert planning.expected("09", "09_mfu_and_attention", H200, h200) == PLANNED["09"]
     assert planning.expected("08", "08_capstone", H100, h200) == PLANNED["08"]  # another GPU class's run
     # a part that passed since is measured again
     fixed = pd.concat([h200, _shipped(("08_capstone", "passed", 150.0, H200, "2026-11-29T10:00:00+00:00"))])
@@ -114,24 +117,24 @@ def test_lessons_without_reference_rows_for_this_gpu_class_come_first(reference)
 
 
 def test_what_failed_or_timed_out_last_time_on_this_gpu_class_comes_first(reference):
-    parts = verify.verify_parts(NOTEBOOKS, ["tests", "00", "05", "08", "09", "bench"], tests=ROOT / "tests")
+    parts = verify.verify_parts(NOTEBOOKS, ["tests", "00", "05", "08", "10", "bench"], tests=ROOT / "tests")
     ordered = planning.order(parts, H200, _h200_rows(), {})
-    assert [p.key for p, _ in ordered] == ["08", "09", "00", "05", "tests", "bench"]
+    assert [p.key for p, _ in ordered] == ["08", "10", "00", "05", "tests", "bench"]
     why = dict((p.key, why) for p, why in ordered)
     assert why["08"] == "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)"
-    assert why["09"] == ("failed last time on NVIDIA H200 (2026-11-28: code cell 19: RuntimeError: Error: accessing "
-                         "tensor output of...)")
+    assert why["10"] == ("failed last time on NVIDIA H200 (2026-11-28, as 09_transformers: code cell 19: RuntimeError: "
+                         "Error: accessing tensor output of...)")
     assert why["00"] == "no reference rows for this GPU class"
     # on another GPU class the H200's failures change nothing
-    assert [p.key for p, _ in planning.order(parts, H100, _h200_rows(), {})] == ["00", "05", "08", "09", "tests", "bench"]
+    assert [p.key for p, _ in planning.order(parts, H100, _h200_rows(), {})] == ["00", "05", "08", "10", "tests", "bench"]
     # a stopped run's row names the cell it was running; one that failed in quick mode this time still goes last
     stopped = _h200_rows().assign(detail="stopped at its 6.0-minute limit while code cell 7 ran")
-    ordered = planning.order(parts, H200, stopped, {}, failed_quick={"09"})
-    assert [p.key for p, _ in ordered][:2] == ["08", "00"] and ordered[-1][0].key == "09"
+    ordered = planning.order(parts, H200, stopped, {}, failed_quick={"10"})
+    assert [p.key for p, _ in ordered][:2] == ["08", "00"] and ordered[-1][0].key == "10"
     assert ordered[0][1].endswith("(2026-11-28: stopped at its 6.0-minute limit while code cell 7 ran)")
     # a part that passed after it failed is measured: no longer first
     fixed = pd.concat([_h200_rows(), _shipped(("08_capstone", "passed", 150.0, H200, "2026-11-29T10:00:00+00:00"))])
-    assert [p.key for p, _ in planning.order(parts, H200, fixed, {})][:2] == ["09", "00"]
+    assert [p.key for p, _ in planning.order(parts, H200, fixed, {})][:2] == ["10", "00"]
 
 
 def test_make_verify_gpu_plan_on_the_h200_starts_with_what_broke_there_on_2026_11_28(reference, monkeypatch, capsys):
@@ -140,12 +143,13 @@ def test_make_verify_gpu_plan_on_the_h200_starts_with_what_broke_there_on_2026_1
     assert verify.main(["verify", "--dry-run", "--budget-min", "9", "--gpu", H200]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()[2:15]]
-    assert [row[0] for row in rows[:4]] == ["smoke", "08", "09", "00"]
-    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; 09 waits: 3 min do not fit the rest
+    assert [row[0] for row in rows[:4]] == ["smoke", "08", "10", "00"]
+    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; then 10, the failed waterfall (2.3 min
+    # of the 3.4 left, less the 0.75 kept for the end), stopped at twice its minutes
     assert rows[1][1:6] == ["3.0", "8.0", "runs,", "ends", "by"] and rows[1][6] == "5.6"
-    assert rows[2][1:5] == ["3.0", "6.0", "not", "run:"]
+    assert rows[2][1:7] == ["2.3", "4.6", "runs,", "ends", "by", "7.9"]
     assert "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)" in out
-    assert "failed last time on NVIDIA H200 (2026-11-28: code cell 19: RuntimeError" in out
+    assert "failed last time on NVIDIA H200 (2026-11-28, as 09_transformers: code cell 19: RuntimeError" in out
     assert "the kernel died" not in out  # the 08 row's detail, as the run wrote it, is not repeated
 
 

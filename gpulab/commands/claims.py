@@ -134,7 +134,7 @@ def _ddp_over_dp(ref: pd.DataFrame) -> tuple[str, str] | None:
 
 
 def _mixed_precision(ref: pd.DataFrame) -> tuple[str, str] | None:
-    """Lesson 09's waterfall: the TF32 and autocast steps, each raced against the configuration before it."""
+    """Lesson 10's waterfall: the TF32 and autocast steps, each raced against the configuration before it."""
     rows = ref[(ref["step"] == "TF32") | ref["step"].astype(str).str.startswith("autocast")]
     rows = rows.dropna(subset=["verdict"]).drop_duplicates("step", keep="last") if "verdict" in rows else rows.iloc[:0]
     if rows.empty:
@@ -181,7 +181,7 @@ CLAIMS = [
           _checkpointing),
     Claim("001, 002", "`cudnn.benchmark` finds faster algorithms", "06", "06_cudnn_benchmark", _cudnn_benchmark),
     Claim("001, 003", "DDP is more efficient than DataParallel", "07", "07_dp_vs_ddp", _ddp_over_dp),
-    Claim("000", "mixed precision and tensor cores speed training", "09", "09_waterfall", _mixed_precision),
+    Claim("000", "mixed precision and tensor cores speed training", "10", "10_waterfall", _mixed_precision),
     Claim("000", "FlashAttention's memory grows linearly with the sequence length, not quadratically", "09",
           "09_attention", _flash_memory),
 ]

@@ -73,16 +73,26 @@ PLANNED = {
                    "stops the noise seeds and the races, the naive job raced once at the 2026-11-28 "
                    "H200's ~3,250 images/s of per-sample pipeline, each step followed by the network's, the fast "
                    "rates and the compile estimated; ~45 s for the rest)"),
-    "09": estimate(3.0, "from its full-mode sizes after the 2026-11-27 resize (3 ceilings, a 60-step first run, the "
-                   "compiler steps last: two compiles); about 2.7 min on one H100"),
+    "09": estimate(1.2, "lesson 09 before the split was planned at 3.0 (about 2.7 min on one H100); its sections 1-3: "
+                   "3 ceilings ~25 s, a 60-step first run ~10 s, the attention sweep (5 lengths, 6 ways) ~15 s, start "
+                   "and figures ~20 s"),
+    "10": estimate(2.3, "lesson 09's sections 4 and 5 before the split: 3 ceilings ~25 s, 8 waterfall races of 5 pairs and the "
+                   "head-to-head (two compiles) ~75 s, busy profiles and the graph-break race ~20 s, start ~15 s"),
+    "11": estimate(1.0, "lesson 09's sections 6 and 7 before the split: 5 x 3 forward passes, one ceiling ~8 s, the "
+                   "checkpointing race, FP8's crossover (5 sizes) and its GPT race (two compiles) where the card has FP8"),
     "bench": estimate(0.5, "gpulab bench"),
 }
-# What each lesson's full mode is sized to: the whole course in about 15 minutes on one H100.
-TARGET_MIN = {**{f"{n:02d}": 2.0 for n in range(10)}, "08": 3.0, "09": 3.0}
+# What each lesson's full mode is sized to: the whole course in about 15 minutes on one H100 (the waterfalls, 08 and
+# 10, in 3).
+TARGET_MIN = {**{f"{n:02d}": 2.0 for n in range(12)}, "08": 3.0, "10": 3.0}
 # Seconds each lesson took in quick mode, nine at once on one NVIDIA H200 (2026-11-27): contended, so only the order
-# the smoke run starts them in (longest first, so the last to start is a short one).
+# the smoke run starts them in (longest first, so the last to start is a short one). Lesson 09 took 93.9 s before it
+# was split into 09, 10 and 11: none of the three is measured, so each starts first.
 SMOKE_SECONDS = {"00": 15.1, "01": 111.4, "02": 34.0, "03": 28.6, "04": 25.1, "05": 30.1, "06": 104.8, "07": 110.3,
-                 "08": 92.7, "09": 93.9}
+                 "08": 92.7}
+# Parts renamed since shipped rows were recorded, and the part that holds what ran then: lesson 09's waterfall, where
+# the 2026-11-28 H200 run failed (its CUDA graphs step), is lesson 10 since lesson 09 was split.
+SUCCESSORS = {"09_transformers": "10_gpt_made_fast"}
 # Lessons that take the whole card in quick mode: the smoke run runs them alone, after the others. None now: 05's
 # OOM demo runs inside a cap (64 MiB above what it holds), and 03 searches the whole card only in full mode.
 WHOLE_CARD_QUICK = ()
@@ -137,7 +147,9 @@ def need(key: str, name: str, lesson: bool, gpu: str, shipped: pd.DataFrame,
     lessons with no reference rows for it, then the parts never timed on it, then those timed on it, oldest first."""
     last = _last_run(shipped, name, gpu)
     if last is not None and last["status"] != "passed":
-        return (0, ""), f"{_ended(last)} last time on {gpu} ({str(last.get('recorded_at', ''))[:10]}: {_how(last)})"
+        formerly = f", as {last['part']}" if last["part"] != name else ""
+        return (0, ""), (f"{_ended(last)} last time on {gpu} ({str(last.get('recorded_at', ''))[:10]}{formerly}: "
+                         f"{_how(last)})")
     if last is not None:
         when = str(last.get("recorded_at", ""))
         return (3, when), f"measured on this GPU class {when[:10]}"
@@ -187,10 +199,12 @@ def plan_rows(parts: list, gpu: str, budget_s: float | None, shipped: pd.DataFra
 
 
 def _last_run(shipped: pd.DataFrame, name: str, gpu: str) -> pd.Series | None:
-    """The latest verify_gpu row of part ``name`` on ``gpu`` (None: it never ran there)."""
+    """The latest verify_gpu row of part ``name`` on ``gpu``, or of the part it succeeds (``SUCCESSORS``); None: it
+    never ran there."""
     if shipped.empty or not {"part", "device_name", "status"} <= set(shipped):
         return None
-    rows = shipped[(shipped["part"] == name) & (shipped["device_name"] == gpu)]
+    part = shipped["part"].map(lambda recorded: SUCCESSORS.get(recorded, recorded))
+    rows = shipped[(part == name) & (shipped["device_name"] == gpu)]
     rows = rows.sort_values("recorded_at", kind="stable") if "recorded_at" in rows else rows
     return None if rows.empty else rows.iloc[-1]
 
