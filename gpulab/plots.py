@@ -598,14 +598,15 @@ _ACCURACY_LOST = {"facecolor": "#f4b6b6", "edgecolor": "tab:red", "hatch": "//"}
 _WATERFALL_TICKS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, intervals=None, lost_label: str = "accuracy fell",
-              title: str = "", ax=None, kept_label: str = "kept: faster, accuracy kept"):
+def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, intervals=None,
+              lost_label: str | None = "accuracy fell", title: str = "", ax=None,
+              kept_label: str = "kept: faster, accuracy kept"):
     """A waterfall of speed-ups: one floating bar per step from the level before it to that level × its ``ratio``
     (its speed over the configuration before it), then the total. Steps not ``kept`` leave the level where it was:
     grey when they were not faster, hatched red where ``accuracy_lost`` says they cost accuracy (or what
-    ``lost_label`` names: "loss differs"; ``kept_label`` then says what a kept step kept). ``intervals``
-    ((low, high) per step, or None) draw each ratio's spread as an error bar at the top of its bar. The y axis is
-    logarithmic: speed-ups multiply. The legend sits beside the axes, never on a bar."""
+    ``lost_label`` names: "loss differs"; None where no step is judged so; ``kept_label`` then says what a kept
+    step kept). ``intervals`` ((low, high) per step, or None) draw each ratio's spread as an error bar at the top of
+    its bar. The y axis is logarithmic: speed-ups multiply. The legend sits beside the axes, never on a bar."""
     ax = _axes(ax)
     kept = [True] * len(steps) if kept is None else list(kept)
     accuracy_lost = [False] * len(steps) if accuracy_lost is None else list(accuracy_lost)
@@ -639,9 +640,9 @@ def waterfall(steps, ratios, *, kept=None, accuracy_lost=None, intervals=None, l
         ticks = [t for t in _WATERFALL_TICKS if low - 1e-9 <= math.log(t) <= high + 1e-9]
         ticks = ticks[:: max(1, math.ceil(len(ticks) / 8))]  # at most 8 labels
         ax.set_yticks([math.log(t) for t in ticks], [f"{t:g}×" for t in ticks])
+        lost = [Patch(**_ACCURACY_LOST, label=f"dropped: {lost_label}")] if lost_label else []  # None: not judged
         ax.legend(handles=[Patch(**_KEPT, label=kept_label),
-                           Patch(**_NOT_FASTER, label="dropped: not faster beyond the noise"),
-                           Patch(**_ACCURACY_LOST, label=f"dropped: {lost_label}"),
+                           Patch(**_NOT_FASTER, label="dropped: not faster beyond the noise"), *lost,
                            Patch(color="tab:blue", label="all kept steps")], fontsize="small", loc="upper left",
                   bbox_to_anchor=(1.0, 1.0))
         ax.set_ylabel("speed-up over the naive baseline")

@@ -102,6 +102,14 @@ SURFACE = (
             "torch/profiler/profiler.py (profile, schedule: one cycle with repeat=1) and Kineto's CUPTI activity; "
             "HolisticTraceAnalysis reads the exported trace",
             "busy.measure in lessons 02, 08 and 10, and lesson 06's traces, hold kernels; kernel-busy below 100 %"),
+    GpuOnly("Lesson 06's path read from a GPU's traces: the CPU's waits for the GPU, the copies and the kernels a "
+            "fix shortens",
+            ('"cudaStreamSynchronize"', "fix_path.FixPath("),
+            ".item() and a copy without non_blocking=True wait in at::cuda::memcpy_and_sync, a cudaStreamSynchronize "
+            "(aten/src/ATen/native/cuda/CUDAScalar.cu, Copy.cu); CUPTI's kernel and memcpy records; the CPU's tests "
+            "read the 2026-11-28 H200's quick-mode traces (tests/data/lesson06/)",
+            "lesson 06 full mode: each fix not kept names its part's milliseconds from that run's traces, the per-step "
+            "sync among them; the path ends where the trace says the GPU is the bottleneck or says what holds it back"),
     GpuOnly("The caching allocator's real numbers: reserved memory, fragmentation, workspaces, the CUDA context",
             ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
             "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "

@@ -50,7 +50,8 @@ def lesson(cuda_stand_in, monkeypatch, results_dir):
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     before = torch.get_float32_matmul_precision()
-    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, "from gpulab.timing import")
+    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, 'plans.lesson("06")',
+                "from gpulab import fix_path")
     scope["shown"] = []
     scope["display"] = scope["shown"].append
     assert scope["on_gpu"] and scope["amp_dtype"] == torch.bfloat16  # an H200: bf16 autocast
@@ -65,15 +66,15 @@ def lesson(cuda_stand_in, monkeypatch, results_dir):
 def test_where_the_gpus_time_went_reads_this_machines_trace_with_gpulab_and_hta(lesson, capsys):
     """Cell 17 on a GPU's path: the GPU trace is this machine's own (here the H200's slow-loop trace), classified by
     gpulab and by HTA side by side, never the shipped reference with its caption."""
-    lesson.update(trace=traces.load_trace(SLOW), slow_trace=SLOW)
+    lesson.update(trace=traces.load_trace(SLOW), slow_trace=SLOW, has_kernels=True)
     run(lesson, "hta_ok, hta_version = traces.hta_available()")
     said = capsys.readouterr().out
     temporal, idle = lesson["temporal"], lesson["idle"]
     assert len(temporal) and set(idle["idle_category"]) <= {"host_wait", "kernel_wait", "other"}
     assert "The largest idle category is host_wait" in said  # the H200's slow loop: the GPU waited for the host
-    assert "This is the shipped trace" not in said and "No GPU trace to classify" not in said
+    assert "The shipped trace" not in said and "No GPU trace to classify" not in said
     if lesson["hta_ok"]:
-        assert "Idle time by cause, all streams together (ms): HTA's rounding to whole µs is the difference" in said
+        assert "The same from HTA (µs, each event rounded inward to whole µs first):" in said
 
 
 def test_the_launch_bound_step_is_compared_eager_compiled_and_with_cuda_graphs(lesson, monkeypatch, capsys):
@@ -151,7 +152,7 @@ def test_the_slow_loops_profile_exports_its_two_recorded_steps(lesson, monkeypat
     """Cell 6 on a GPU's path: the trace written by on_trace_ready holds the two recorded steps (a CPU's trace here:
     the same schedule, export and steps). The slow loop's timing before it answers at once."""
     monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kwargs: Measurement(label, (0.1,) * 3, "cpu", 1))
-    run(lesson, "n_images = batch_size * (steps + 1)")
+    run(lesson, "n_images = batch_size * (steps + 1)", "def make_run(")
     source = code("06", "def save_trace(prof):")
     exec(compile(source, "<lesson 06: the slow loop profiled>", "exec"), lesson)
     steps = traces.steps(traces.load_trace(lesson["slow_trace"]))
