@@ -107,7 +107,7 @@ class Races:
         where it fits what is left of the budget at the rate measured so far): with the first race's baseline, their
         accuracies are the job's spread; seed 1's first round is what another seed's losses look like. Then the naive
         job's first round from seed 1, the first race's yardstick."""
-        rounds = self.job.epochs * self.job.rounds
+        rounds, self.noise = self.job.epochs * self.job.rounds, []  # a cell run again measures again
         with self.budget.spending():
             for seed in seeds:
                 rate = self.rates.get(key(DEVICE_JOB))
