@@ -34,6 +34,14 @@ SURFACE = (
             "and output buffers, the optimizer's lr in a tensor; torch's notes/cuda.rst, 'Whole-network capture'",
             "lesson 08 full mode: the 'whole step in a CUDA graph' step runs, trains the same losses as eager and is "
             "faster"),
+    GpuOnly("A GradScaler's step and update captured in a CUDA graph (fp16 with fused SGD)",
+            ("scaler.load_state_dict(saved_scale)",),
+            "torch/amp/grad_scaler.py (step: an optimizer with _step_supports_amp_scaling, as fused SGD, is handed the "
+            "scale and the overflow flag as tensors and no .item() is read; update: torch._amp_update_scale_ in place; "
+            "load_state_dict fills the scale in place: torch 2.6 and 2.14); torch's notes/cuda.rst, 'Usage with "
+            "torch.cuda.amp', covers only optimizers whose step syncs",
+            "lesson 08 full mode in fp16 (a T4, none lent so far; or another card with plan.amp set to fp16): the "
+            "captured step races, its losses within the race's tolerance, and the loss scale falls after an overflow"),
     GpuOnly("Lesson 08's check counting a captured step: the hooks' counting kernels recorded into the graph",
             ("is_current_stream_capturing",),
             "torch/cuda/graphs.py (graph): kernels launched during capture, the hooks' included, are replayed; backward "
