@@ -111,8 +111,6 @@ def test_every_lesson_links_to_the_page():
     assert not unlinked, f"lessons without a link to {PAGE.name}: {unlinked}"
 
 
-@pytest.mark.xfail(strict=True, reason="the README's line for the page is the lead's to add (the helper's report "
-                   "proposes it); the lead removes this mark with it")
 def test_the_readme_links_the_page():
     assert f"notebooks/{PAGE.name}" in (ROOT / "README.md").read_text()
 
