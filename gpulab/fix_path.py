@@ -25,14 +25,14 @@ import pandas as pd
 
 from . import plots, racing, traces
 from .comparison import Comparison, compare
+from .plans.plan06 import PROFILED, TRACE_S
 from .plans.predict import compare_s
 from .results import ResultLog
 
-# The parts of a profiled step a fix can shorten: the loop's record_function ranges on the CPU, the CPU's waits for
-# the GPU, and on the GPU its host-to-device copies and its kernels.
-PARTS = {"data": "the CPU's 'data' range", "forward": "the CPU's 'forward' range",
-         "backward": "the CPU's 'backward' range", "optimizer": "the CPU's 'optimizer' range",
-         "waits": "the CPU's waits for the GPU", "copies": "the copies to the GPU", "kernels": "the GPU's kernels"}
+# The parts of a profiled step a fix can shorten: the loop's record_function ranges on the CPU (traces.PHASES), the
+# CPU's waits for the GPU, and on the GPU its host-to-device copies and its kernels.
+PARTS = {**{p: f"the CPU's '{p}' range" for p in traces.PHASES}, "waits": "the CPU's waits for the GPU",
+         "copies": "the copies to the GPU", "kernels": "the GPU's kernels"}
 GPU_PARTS = ("copies", "kernels")
 # The CUDA (or HIP) runtime calls in which the CPU waits for the GPU: what .item(), a blocking copy or a synchronize
 # costs the CPU. .item() copies the value with at::cuda::memcpy_and_sync, a cudaMemcpyAsync then a
@@ -41,8 +41,7 @@ GPU_PARTS = ("copies", "kernels")
 # aten/src/ATen/native/cuda/Copy.cu): the H200's trace of the slow loop holds three a step.
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "hipStreamSynchronize",
          "hipDeviceSynchronize")
-PROFILED = 1.6  # a profiled step's time over an unprofiled one, to plan a race (plans/plan06.py)
-PROFILED_STEPS, TRACE_S = 4, 0.5
+PROFILED_STEPS = 4  # the steps the lesson's profiled_loop runs under the profiler (skip 1, warm up 1, record 2)
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class Fix:
 @dataclass(frozen=True)
 class Tried:
     """A race of the path: the candidate's speed over the kept loop (``comparison``), and where each one's profiled
-    step went (``parts``: milliseconds per profiled step, see ``where_time_went``)."""
+    step went (``where_time_went`` of the kept loop's trace and of the candidate's)."""
 
     comparison: Comparison
     kept: dict
@@ -68,8 +67,7 @@ class Tried:
 def where_time_went(trace) -> dict:
     """Milliseconds per profiled step of ``trace``: ``step_ms`` (the steps' windows), each part of ``PARTS`` and, on a
     GPU trace, ``kernels_per_step``, ``busy_share``, ``bound`` and ``said`` (what ``traces.bottleneck`` says limits the
-    steps, and its words).
-    A CPU's trace has no GPU parts (NaN) and no waits (0)."""
+    steps, and in its words). A CPU's trace has no GPU parts (NaN) and no waits (0)."""
     trace = traces.load_trace(trace)
     windows = traces.steps(trace)
     n, start, end = len(windows), windows["start_ms"].min(), windows["end_ms"].max()
@@ -94,9 +92,8 @@ def why(fix: Fix, kept_name: str, tried: Tried) -> str:
     kept, own = tried.kept, tried.candidate
     part, step = sum(kept[p] for p in fix.shortens), kept["step_ms"]
     most = step / (step - part) if part < step else math.inf
-    words = " and ".join(PARTS[p] for p in fix.shortens)
-    text = (f"it shortens {words}: {part:.2f} ms of a {step:.2f} ms profiled step of '{kept_name}' ({part / step:.0%}; "
-            f"at most {most:.2f}× if that went away)")
+    text = (f"it shortens {in_words(fix.shortens)}: {part:.2f} ms of a {step:.2f} ms profiled step of '{kept_name}' "
+            f"({part / step:.0%}; at most {most:.2f}× if that went away)")
     if "bound" in kept:
         on_gpu = set(fix.shortens) <= set(GPU_PARTS)
         if on_gpu and kept["bound"] != "GPU":
@@ -106,6 +103,18 @@ def why(fix: Fix, kept_name: str, tried: Tried) -> str:
             text += f"; the GPU set the pace there (busy {kept['busy_share']:.1%}), so the CPU's time saved hides behind it"
     own_part = sum(own[p] for p in fix.shortens)
     return text + f"; in its own trace {own_part:.2f} ms of a {own['step_ms']:.2f} ms step"
+
+
+def in_words(parts) -> str:
+    """Parts of a step as a sentence says them: "the copies to the GPU and the CPU's waits for the GPU"; ranges
+    together: "the CPU's 'forward' and 'backward' ranges"."""
+    ranges = [p for p in parts if p in traces.PHASES]
+    named = [PARTS[p] for p in parts if p not in ranges]
+    if len(ranges) > 1:
+        named.append(f"the CPU's {' and '.join(repr(p) for p in ranges)} ranges")
+    elif ranges:
+        named.append(PARTS[ranges[0]])
+    return " and ".join(named)
 
 
 class FixPath:
@@ -164,7 +173,7 @@ class FixPath:
         if kept.get("bound") == "GPU":
             return f"not needed: the trace of '{self.kept}' says the GPU is the bottleneck"
         if not sum(kept[p] for p in fix.shortens) > 0:
-            return f"not raced: the trace of '{self.kept}' holds none of {' or '.join(PARTS[p] for p in fix.shortens)}"
+            return f"not raced: the trace of '{self.kept}' holds none of {in_words(fix.shortens)}"
         planned = self.planned_s(name, options)
         refused = self.budget.refuses(planned) if self.path.rows else None  # the first race always runs
         if not refused:

@@ -153,7 +153,7 @@ def test_a_dropped_fix_is_raced_again_once_a_later_fix_was_kept_unless_the_trace
     sync have nothing left to shorten: not raced again, and said why; mixed precision is raced again."""
     scope, races, said, rows = h200_path
     again = {row["step"]: row["note"] for row in scope["path"].rows if row["step"].endswith("(again)")}
-    nothing = ("not raced: the trace of 'torch.compile + CUDA graphs' holds none of the copies to the GPU or the CPU's "
+    nothing = ("not raced: the trace of 'torch.compile + CUDA graphs' holds none of the copies to the GPU and the CPU's "
                "waits for the GPU")
     assert again["pinned copies (again)"] == nothing
     assert again["no .item() per step (again)"] == ("not raced: the trace of 'torch.compile + CUDA graphs' holds none "
@@ -330,3 +330,26 @@ def test_the_summary_reads_the_path(monkeypatch, results_dir, capsys):
     assert ("slow loop: 100.00 ms per step; kept: data on the device, torch.compile + CUDA graphs, together 3.00× its "
             "speed (each raced side by side); dropped: no .item() per step (slower here)") in said
     assert "Not fixed yet: the trace of 'torch.compile + CUDA graphs' says the CPU is the bottleneck" in said
+
+
+@pytest.mark.parametrize("cuda_stand_in, dtype, scaled", [("Tesla T4", torch.float16, True),
+                                                          ("NVIDIA L4", torch.bfloat16, False)], indirect=["cuda_stand_in"])
+def test_mixed_precision_trains_in_the_cards_precision_with_a_scaler_only_for_fp16(cuda_stand_in, dtype, scaled,
+                                                                                    monkeypatch, results_dir):
+    """The path races mixed precision only where the kept loop's trace holds kernels (a GPU's), so on the stand-in it
+    is not raced: the loop's own branch runs here, as a T4 (fp16, a GradScaler that scales) and an L4 (bf16)."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kw: Measurement(label, (0.05,) * 3, "cpu", 1))
+    scalers = []
+
+    class Recorded(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scalers.append(self.is_enabled())
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Recorded)
+    scope = lesson_scope("n_images = batch_size * (steps + 1)", "def make_run(")
+    assert scope["amp_dtype"] == dtype
+    fixes = ["augment on the device", "vectorised", "mixed precision", "no .item() per step"]
+    loss = scope["train"](*scope["make_run"](fixes), 3, fixes)
+    assert math.isfinite(loss) and scalers[-1] is scaled

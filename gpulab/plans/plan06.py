@@ -50,6 +50,8 @@ START_S = 10.0  # imports, device facts, the data (estimate; the H200's setup an
 PROFILER_START_S = 0.15  # starting and stopping a profiler around a loop (estimate)
 SMALL_BATCH, SMALL_KERNELS = 16, 73  # section 7's step: 73 CUDA runtime calls at batch 16 on the H200
 COPY_S = 5e-3  # the pageable copy of the memcpy pattern lasts about this long at the card's pinned rate
+SYNC_SHARE = 0.1  # the kernels' time a step, against the fixed loop's CPU time, that a per-step .item() waits for
+# and its removal gives back: a tenth, five times the smallest change a comparison calls (2 %)
 FILL = 0.85  # the path's first tries planned to fill at most this share of its budget: room for slower rates
 QUICK = dict(batch_size=16, width=1, steps=4, repeats=3, compare_min_time=0.3, compare_pairs=5, start_pairs=5,
              chunks=300, host_mb=4, cnn_batch=16, cnn_pairs=5, budget_s=math.inf, compile_s=COMPILE_S,
@@ -175,6 +177,10 @@ def regimes(card: Card, sizes: dict, first_tries: float) -> tuple[Regime, ...]:
                f"{SMALL_KERNELS} launches of {card.launch_s * 1e6:.1f} µs"),
         Regime("pageable copies show as memcpy time", bool(copy >= 1e-3),
                f"{sizes['host_mb']} MB at most {card.host_gbs:.0f} GB/s: at least {copy * 1e3:.1f} ms a copy"),
+        Regime("the per-step sync has GPU work to wait for", bool(g >= SYNC_SHARE * FIXED_CPU_S),
+               f"the loop's kernels {g * 1e3:.2f} ms a step predicted against the CPU's {FIXED_CPU_S * 1e3:.1f} ms "
+               f"for the fixed loop (at least {SYNC_SHARE:.0%}): once launches are cheap, .item() waits for them, and "
+               "removing it can give up to that much"),
         Regime("every fix races within the budget", bool(first_tries <= FILL * sizes["budget_s"]),
                f"the first tries planned at {first_tries:.0f} s of the {sizes['budget_s']:.0f} s budget (at most "
                f"{FILL:.0%}); a retry runs where time is left"),
