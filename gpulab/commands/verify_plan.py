@@ -66,8 +66,8 @@ PLANNED = {
                    "comparisons ~9 s, whole-card searches ~12 s, 6 convergence runs of 4 s ~31 s, start and figures ~15 s"),
     "04": estimate(1.4, "one ceiling search per precision ~31 s, 4 x 400 training steps ~18 s, comparisons at 1 s"),
     "05": estimate(1.0, "13 step comparisons at 1 s, 2 fragmentation processes; quick mode alone on the H200 took 37 s"),
-    "06": estimate(1.8, "the slow loop (batch 128, 6 steps) ~30 s in all, 3 torch.compile runs ~20 s, profiles and HTA "
-                   "~25 s"),
+    "06": estimate(2.0, "the lesson's own plan: 2.0 min on an H100 or H200, its path's races stopped at a 51 s budget "
+                   "(the slow loop at batch 32, its profile and HTA ~20 s, three torch.compile runs; estimates)"),
     "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
     "08": estimate(3.0, "the lesson's own plan (2026-11-28): 2.8 min on an H100 or H200 (a 135 s budget "
                    "stops the noise seeds and the races, the naive job raced once at the 2026-11-28 "
