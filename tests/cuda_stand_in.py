@@ -47,6 +47,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+from torch.utils._device import _device_constructors
 
 import gpulab.device
 from gpulab import nvml
@@ -358,6 +359,9 @@ def installed(card: str = "NVIDIA H200"):
                             "_dump_snapshot": _gpu_only("the allocator's snapshot")}.items():
             stack.enter_context(mock.patch.object(torch.cuda.memory, name, value))
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", lambda t, device=None: gpu.pin_memory(t)))
+        # `with torch.device("meta"):` gives the factories its device where torch.utils._device's cached set of them
+        # holds the real ones (the wrappers call them): made before they are wrapped, or never while they are
+        _device_constructors()
         for factory in ("empty", "zeros", "ones"):
             stack.enter_context(mock.patch.object(torch, factory, _pinning(getattr(torch, factory), gpu)))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", lambda t, device=None: gpu.is_pinned(t)))

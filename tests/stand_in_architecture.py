@@ -5,7 +5,9 @@ Each rule is torch's, cited beside it: the Python ones from torch/cuda/__init__.
 C++ ones from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp and aten/src/ATen/native/cuda/Blas.cpp as torch's
 main branch has them, with the words torch warns and raises read from the libtorch_cuda.so of the 2.6.0, 2.7.0 and
 2.14.1 wheels. Only the choice is played: the kernels that run are the CPU's own (a profile shows
-aten::_scaled_dot_product_flash_attention_for_cpu or the math backend's operators, never a GPU kernel's name).
+aten::_scaled_dot_product_flash_attention_for_cpu or the math backend's operators, never a GPU kernel's name). Not
+played: SDPA's constraints on nested tensors, grouped-query head counts, strides and storage offsets, and those that
+depend on the cuDNN version.
 """
 
 import re

@@ -76,6 +76,19 @@ def test_a_memory_fraction_is_a_budget_beyond_which_an_allocation_is_out_of_memo
         torch.cuda.set_per_process_memory_fraction(1.5)
 
 
+def test_a_device_context_still_places_what_the_factories_make():
+    """The stand-in wraps torch.empty, zeros and ones (for pin_memory); `with torch.device("meta")` (a model sized
+    without memory, as lesson 09 counts a GPT's FLOPs) must still reach them, during and after."""
+    from torch.utils._device import _device_constructors
+
+    _device_constructors.cache_clear()  # torch builds its set of factories at the first device context
+    with installed("Tesla T4"), torch.device("meta"):
+        made = [torch.zeros(2), torch.ones(2), torch.empty(2), torch.nn.Linear(2, 2).weight]
+    with torch.device("meta"):
+        made.append(torch.zeros(2))
+    assert {t.device.type for t in made} == {"meta"}
+
+
 @pytest.mark.parametrize("call", [lambda: torch.cuda.CUDAGraph(), lambda: torch.cuda.graph(None),
                                   lambda: torch.cuda.memory._record_memory_history()])
 def test_what_only_a_gpu_can_do_is_refused_not_pretended(cuda_stand_in, call):
