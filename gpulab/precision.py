@@ -1,6 +1,8 @@
 """Plumbing for the mixed-precision lesson: matmul FLOPs and TFLOP/s, the device's measured peak (the vendor's
-datasheet figures are in ``gpulab.datasheets``), which precisions a device runs natively, and checkpoints that keep
-the GradScaler's state with the model and the optimizer.
+datasheet figures are in ``gpulab.datasheets``), which precisions a device runs natively, checkpoints that keep
+the GradScaler's state with the model and the optimizer, and the lesson's tables: the matmuls beside the datasheet
+(``matmul_table``, ``roofline``), the training steps beside their pairs and, where it means something, their MFU
+beside each precision's dense peak (``step_table``, ``StepMFU``).
 
 The lesson itself writes ``torch.autocast``, ``torch.amp.GradScaler`` and the TF32 switch in its cells.
 """
@@ -12,8 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 
+from . import datasheets
 from .device import device_info, get_device, on_gpu
 from .mode import by_mode
 
@@ -194,3 +198,203 @@ def load_checkpoint(path, model, optimizer, scaler=None, map_location=None) -> d
             raise ValueError(f"{path} holds no GradScaler state (saved without a scaler, or with a disabled one)")
         scaler.load_state_dict(scaler_state or {})
     return state
+
+
+# ---- lesson 04's tables: the matmuls beside the datasheet, the training steps beside their pairs and peaks ----------
+
+def peak_fields(ceiling, swept: dict) -> dict:
+    """The row of a precision's measured peak: ``ceiling`` (``flops.ceiling``'s search), or the sweep's fastest
+    product where it was faster (``swept``: {n: its Measurement}); with its shape and the GPU's state while it ran."""
+    p = ceiling.precision
+    rate = {n: tflops(matmul_flops(n, n, n), m.median) for n, m in swept.items()}
+    best = max(rate, key=rate.get)
+    if rate[best] > ceiling.tflops:  # the fastest matmul measured is the practical peak
+        return dict(precision=p, m=best, n=best, k=best, tflops=rate[best], conditions=swept[best].conditions)
+    m, n, k = ceiling.shape
+    return dict(precision=p, m=m, n=n, k=k, tflops=ceiling.tflops, conditions=ceiling.conditions)
+
+
+def paired_medians(comparisons: dict, alone: dict) -> dict:
+    """Each precision's median seconds in the interleaved pairs of ``comparisons`` ({precision: its comparison against
+    fp32}): fp32's over its side of every pair, each other precision's over its own pairs; ``alone`` ({precision:
+    seconds}) for a precision compared with nothing (fp32, when it is the only one). Shown beside the speed-ups, these
+    are the times the verdicts come from (a time benched apart could say the opposite)."""
+    paired = {"fp32": [t for c in comparisons.values() for t in c.baseline_times]}
+    paired.update({p: c.candidate_times for p, c in comparisons.items()})
+    return {p: statistics.median(paired[p]) if paired.get(p) else seconds for p, seconds in alone.items()}
+
+
+def roofline(frame, title: str):
+    """The roofline of one machine's rows of ``04_matmul_precision``: the sweep, its measured peaks (dashed), the dense
+    datasheet peaks of that machine's card (dotted; none for a CPU) and the copy's memory roof."""
+    from . import plots  # matplotlib, loaded when a figure is drawn
+
+    peaks = frame[frame["kind"] == "peak"].set_index("precision")["tflops"].to_dict()
+    name = frame["device_name"].iloc[0]
+    return plots.roofline(frame[frame["kind"] == "matmul"], peaks=peaks,
+                          datasheet={p: datasheets.peak(name, p) for p in peaks}, bandwidth_gbs=frame["gbs"].max(),
+                          title=title)
+
+
+def matmul_table(matmuls, over_fp32: dict, gpu_name: str | None):
+    """Each precision at the sweep's largest size: its TFLOP/s in the interleaved pairs its speed-up over fp32 comes from,
+    its measured peak, the dense datasheet peak of ``gpu_name``'s card (None: a CPU, no datasheet), and the speed-up with
+    its interval and verdict."""
+    sweep = matmuls[matmuls["kind"] == "matmul"].astype({"n": int})
+    n = sweep["n"].max()
+    precisions = list(dict.fromkeys(sweep["precision"]))
+    alone = sweep[sweep["n"] == n].set_index("precision")["median_s"].to_dict()
+    largest = pd.Series({p: tflops(matmul_flops(n, n, n), s) for p, s in paired_medians(over_fp32, alone).items()})
+    peaks = matmuls[matmuls["kind"] == "peak"].set_index("precision")["tflops"]
+    sheet = datasheets.find(gpu_name) if gpu_name else None
+    datasheet = pd.Series({p: sheet.tflops.get(p) if sheet else None for p in precisions}, dtype=float)
+    table = pd.DataFrame({f"TFLOP/s at n={n} (pairs)": largest, "measured peak": peaks,
+                          "of measured peak": largest / peaks, "dense datasheet peak": datasheet,
+                          "measured peak of datasheet": peaks / datasheet}).loc[precisions]
+    speedups = pd.DataFrame({p: c.row() for p, c in over_fp32.items()}, index=SPEEDUP_COLUMNS).T
+    return table.join(speedups.rename(columns=lambda c: c.replace("speedup", "over fp32")))
+
+
+SPEEDUP_COLUMNS = ["speedup", "speedup_low", "speedup_high", "verdict"]
+
+
+def datasheet_note(table, gpu_name: str | None) -> str:
+    """Which datasheet entry ``table``'s dense peaks are, with its source; a measured peak above it, said so."""
+    sheet = datasheets.find(gpu_name) if gpu_name else None
+    if sheet is None:
+        return f"No datasheet figures for {gpu_name or 'a CPU'} in gpulab.datasheets: measured peaks only."
+    note = (f"{gpu_name} is the '{sheet.name}' entry of gpulab.datasheets, dense peaks in TFLOP/s: "
+            + ", ".join(f"{p} {v:g}" for p, v in sheet.tflops.items()) + f" (source: {sheet.source}).")
+    above = table.index[table["measured peak of datasheet"] > 1].tolist()
+    if above:
+        note += (f"\nMeasured above the datasheet's dense peak in {', '.join(above)}: that entry is not this card's "
+                 "figure (another model or form factor), or the timing did not wait for the GPU.")
+    return note
+
+
+def styled(table):
+    """``matmul_table`` or ``step_table`` formatted: rates to three digits, shares as percentages, speed-ups as ×."""
+    def share(value):
+        return "-" if value != value else f"{value * 100:.3g} %"
+
+    formats = {}
+    for column in table:
+        if column.startswith(("of ", "MFU", "share of", "measured peak of")):
+            formats[column] = share
+        elif "over fp32" in column:
+            formats[column] = "{:.2f}×"
+        elif column in FORMATS:
+            formats[column] = FORMATS[column]
+        elif column not in ("verdict", "its precision"):
+            formats[column] = "{:.3g}"
+    return table.style.format(formats, na_rep="-")
+
+
+FORMATS = {"samples/s": "{:,.0f}", "peak_mb": "{:.0f} MiB", "final_loss": "{:.3f}", "accuracy": "{:.1%}"}
+
+
+@dataclass(frozen=True)
+class StepMFU:
+    """MFU of one training step's FLOPs run in several precisions (``ran_in``: {run: the precision its matmuls ran
+    in}): each run over the dense datasheet peak of its precision (``flops.mfu``), with "of achievable" over the
+    ceiling measured here beside it; and, where runs of different precisions are compared side by side, over one
+    reference peak, the fastest precision's (``flops.reference_peak``), so that the faster step reads the higher share.
+    Made with ``measure``."""
+
+    model_flops: float
+    ran_in: dict
+    ceilings: dict  # precision -> flops.Ceiling
+    reference: str  # the precision of the one reference peak
+    reference_tflops: float
+    from_sheet: bool  # the reference is a datasheet peak (else the ceiling measured here: a device without one)
+
+    @classmethod
+    def measure(cls, model_flops: float, ran_in: dict, device=None) -> "StepMFU":
+        """Each precision's ceiling (``flops.ceilings``: measured once per process) and the one reference peak."""
+        from . import flops  # flops imports this module
+
+        ceilings = flops.ceilings(list(dict.fromkeys(ran_in.values())), device=device)
+        reference, reference_tflops = flops.reference_peak(list(ceilings), device)
+        from_sheet = ceilings[reference].datasheet_tflops == reference_tflops
+        return cls(model_flops, dict(ran_in), ceilings, reference, reference_tflops, from_sheet)
+
+    def of(self, run: str, seconds: float):
+        """The ``flops.Utilisation`` of run ``run``'s step taking ``seconds``."""
+        from . import flops
+
+        return flops.mfu(self.model_flops, seconds, self.ceilings, precision=self.ran_in[run])
+
+    def one_peak(self, run: str, seconds: float) -> float:
+        """The step's model FLOP/s over the one reference peak (NaN where its own figures are impossible)."""
+        u = self.of(run, seconds)
+        return math.nan if u.impossible else u.against(self.reference_tflops)
+
+    @property
+    def one_peak_name(self) -> str:
+        if self.from_sheet:
+            return f"MFU against the dense {self.reference} peak of {self.reference_tflops:g} TFLOP/s"
+        return f"share of the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s"
+
+    def one_peak_text(self, run: str, seconds: float) -> str:
+        """"MFU 12.3 % against the dense bf16 peak of 989.5 TFLOP/s" (without a vendor peak: the ceiling's share)."""
+        share = self.one_peak(run, seconds)
+        shown = f"{share * 100:.3g} %" if share == share else "n/a"
+        return f"MFU {shown} against the dense {self.reference} peak" if self.from_sheet else \
+            f"{shown} of the measured {self.reference} ceiling"
+
+    def row(self, run: str, seconds: float) -> dict:
+        """The results columns of run ``run``'s step: MFU and of achievable with both denominators, and the one peak."""
+        u = self.of(run, seconds)
+        return {**{k: v for k, v in u.row().items() if k != "precision"}, "ceiling_precision": u.precision,
+                "mfu_one_peak": self.one_peak(run, seconds), "one_peak_precision": self.reference,
+                "one_peak_tflops": self.reference_tflops}
+
+    def text(self, run: str, seconds: float) -> str:
+        """Run ``run``'s MFU beside its precision's dense peak, its share of achievable, and its share of the one peak."""
+        return f"{self.of(run, seconds)}; {self.one_peak_text(run, seconds)}"
+
+    def __str__(self) -> str:
+        lines = []
+        for run, p in self.ran_in.items():
+            c = self.ceilings[p]
+            peak = (f"MFU over the dense {p} datasheet peak of {c.datasheet_tflops:g} TFLOP/s" if c.datasheet_tflops
+                    else f"no vendor {p} peak for this device, so no MFU")
+            lines.append(f"  the {run} step: {peak}; of achievable over the measured {c}")
+        lines.append("Compared side by side, every step is also divided by one peak, the fastest precision's: " +
+                     (f"the dense {self.reference} datasheet peak, {self.reference_tflops:g} TFLOP/s." if self.from_sheet
+                      else f"the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s (no vendor "
+                      "peak for this device)."))
+        return "\n".join(lines)
+
+
+def step_table(seconds: dict, comparisons: dict, fields: dict, batch: int, mfu: StepMFU | None = None):
+    """The training steps side by side: each precision's ms per step and samples/s at its median in the interleaved
+    pairs its speed-up over fp32 comes from (``seconds``), the speed-up with its interval and verdict, ``fields``
+    ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu``, its MFU beside the dense peak of its precision, of
+    achievable, and its share of the one reference peak."""
+    table = pd.DataFrame({"ms per step (pairs)": {p: s * 1e3 for p, s in seconds.items()},
+                          "samples/s": {p: batch / s for p, s in seconds.items()}})
+    speedups = pd.DataFrame({p: c.row() for p, c in comparisons.items()}, index=SPEEDUP_COLUMNS).T
+    table = table.join(speedups.rename(columns=lambda c: c.replace("speedup", "speed-up over fp32")))
+    table = table.join(pd.DataFrame(fields).T[["peak_mb", "final_loss", "accuracy"]])
+    if mfu:
+        u = {p: mfu.of(p, s) for p, s in seconds.items()}
+        table["its precision"] = {p: x.precision for p, x in u.items()}
+        table["MFU"] = {p: math.nan if x.impossible else x.mfu for p, x in u.items()}
+        table["dense peak (TFLOP/s)"] = {p: x.datasheet_tflops for p, x in u.items()}
+        table["of achievable"] = {p: math.nan if x.impossible else x.of_achievable for p, x in u.items()}
+        table[mfu.one_peak_name] = {p: mfu.one_peak(p, s) for p, s in seconds.items()}
+    return table
+
+
+def support_table():
+    """Every card of ``gpulab.datasheets``: its compute capability, which precisions it runs natively
+    (``precision_support``), its dense TFLOP/s per precision (the denominators of MFU) and their source."""
+    rows = []
+    for gpu, sheet in datasheets.table().iterrows():
+        cc = datasheets.SHEETS[gpu].compute_capability
+        native = {p: "native" if s.available else "no" for p, s in precision_support(cc).items()}
+        rows.append({"GPU": gpu, "compute capability": f"{cc[0]}.{cc[1]}", **native,
+                     **{f"{p} TFLOP/s (dense)": sheet[p] for p in ("fp32", "tf32", "fp16", "bf16", "fp8")},
+                     "source": sheet["source"]})
+    return pd.DataFrame(rows).set_index("GPU")

@@ -148,6 +148,19 @@ SURFACE = (
             "capability 8.9 and newer: aten/src/ATen/native/cuda/Blas.cpp; the stand-in plays its refusal below "
             "sm_89 and its layout checks, and multiplies on the CPU where torch has a CPU kernel, from 2.14)",
             "lessons 04 and 10: the TF32 step's loss gap within tolerance; lesson 11: FP8 close to bf16 on an L4 or H100"),
+    GpuOnly("fp16 flushing to zero the gradients backward carries, in a GPU's own casts and fp16 products",
+            ("layer_gradients(torch.float16",),
+            "c10/util/Half-inl.h (Half(float): __float2half on the GPU, PTX cvt.rn.f16.f32, rounds to nearest and keeps "
+            "fp16's subnormals, as the CPU's fp16_ieee_from_fp32_value and float2half_scalar do); the fp16 GEMMs of "
+            "backward write fp16 outputs rounded by cuBLAS, closed source: the GPU run confirms. This CPU flushes "
+            "3 % of lesson 04's quick-mode gradients without scaling and none scaled by 2^16 (tests/test_lesson04.py)",
+            "lesson 04 on a GPU: 'became zero' above 1 % without scaling and under a hundredth of that with it"),
+    GpuOnly("Lesson 04's MFU of its full-mode MLP, a step the plan predicts is the GPU's work, not launches",
+            ("precision.StepMFU.measure",),
+            "gpulab/plans/plan04.py prices the step's matmuls at the card's rate and the rest (AdamW, LayerNorm, GELU, "
+            "casts) from the H100's shipped step times; the stand-in cannot time a GPU",
+            "lesson 04 full mode: each precision's MFU printed beside its dense datasheet peak, the bf16 step's "
+            "well above the quick toy's thousandths of a percent; the plan's step times within a factor of 2"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",

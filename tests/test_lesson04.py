@@ -1,9 +1,11 @@
 """Lesson 04 (mixed precision): precision helpers, the GradScaler checkpoint round trip, the teacher task,
-the roofline figure, and the exercise checks (right passes, plausible wrong is rejected, blank is not attempted)."""
+the roofline figure, the exercise checks (right passes, plausible wrong is rejected, blank is not attempted), the
+lesson's plan, and the loss-scaling demonstration on this CPU."""
 
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -646,3 +648,98 @@ def test_q4_solution_trains_with_a_real_gradscaler():
     micro = [(torch.randn(8, 4), torch.randint(2, (8,))) for _ in range(4)]
     losses = [accumulation_step(model, opt, scaler, micro, 1.0, "cpu", torch.bfloat16).item() for _ in range(20)]
     assert losses[-1] < losses[0]
+
+
+# ---- the lesson's plan (gpulab/plans/plan04.py) ----------------------------------------------------------------
+
+QUICK_SIZES = dict(sweep_sizes=[32, 64, 128], sweep_min_time=0.02, compare_min_time=0.2, compare_pairs=5, aligned_n=256,
+                   width=128, depth=2, batch=256, steps=150, points=8192, step_min_time=0.05, scaler_steps=40,
+                   growth_interval=3)  # the lesson's quick-mode sizes before it was planned (gpulab.by_mode)
+SIX = ["Tesla T4", "NVIDIA L4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3",
+       "NVIDIA H200"]
+
+
+def cpu_card():
+    from gpulab import plans
+
+    return plans.Card("CPU", None, 2, 0)
+
+
+@pytest.mark.parametrize("name", ["CPU", "Tesla T4", "NVIDIA L4", "NVIDIA H200"])
+def test_quick_mode_keeps_its_sizes_and_the_card_chooses_the_precisions(name):
+    from gpulab import plans
+
+    card = cpu_card() if name == "CPU" else plans.Card.named(name)
+    plan = plans.plan_for("04", card, quick=True)
+    assert {k: plan.sizes[k] for k in QUICK_SIZES} == QUICK_SIZES
+    assert plan.underflow_points == plan.points  # the mean loss of section 4 over every training point
+    assert plan.precisions == {"CPU": ["fp32", "bf16"], "Tesla T4": ["fp32", "fp16"]}.get(name, ["fp32", "tf32", "fp16",
+                                                                                                  "bf16"])
+    assert plan.mfu is False  # a toy model on every card: speed-ups, no MFU
+    assert ("is a toy here" in plan.why["mfu"]) == (name != "CPU")
+
+
+@pytest.mark.parametrize("name", SIX)
+def test_full_mode_trains_a_model_whose_mfu_means_something_on_each_card(name):
+    from gpulab import plans
+    from gpulab.plans import plan04
+
+    card = plans.Card.named(name)
+    plan = plans.plan_for("04", card)
+    assert plan.mfu and plan.width in plan04.WIDTHS and plan.width % 64 == 0
+    gpu, launches = plan04.gpu_s(card, card.amp_precision, plan.sizes), plan04.launches_s(card, plan.sizes)
+    assert gpu >= plan04.GPU_BOUND * launches
+    toy = {**plan.sizes, "width": 128, "depth": 2, "batch": 256}  # the quick mode's toy on the same card
+    assert plan04.gpu_s(card, card.amp_precision, toy) < plan04.launches_s(card, toy)
+
+
+def test_the_plans_step_flops_are_flop_counter_modes():
+    from gpulab import flops, plans
+    from gpulab.plans import plan04
+
+    sizes = plans.plan_for("04", cpu_card(), quick=True).sizes
+    model = tasks.student_mlp(32, sizes["width"], sizes["depth"], 10)
+    x, y = torch.randn(sizes["batch"], 32), torch.randint(10, (sizes["batch"],))
+    assert plan04.step_flops(sizes) == flops.training_flops(model, x, y, loss_fn=F.cross_entropy).total
+    assert plan04._params(sizes) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_predicted_step_times_reproduce_the_h100s_shipped_rows():
+    """The rest of a step (AdamW, LayerNorm, GELU, the casts) is priced from the H100's shipped step times: planned for
+    that H100 at those sizes, the prediction gives them back; a card with half the bandwidth takes longer."""
+    from gpulab import plans
+    from gpulab.plans import plan04
+    from gpulab.results import reference
+
+    h100 = plans.Card.named("NVIDIA H100 80GB HBM3")
+    rows = reference("04_training_precision").query("device_name == 'NVIDIA H100 80GB HBM3'")
+    for row in rows.itertuples():
+        sizes = dict(width=row.width, depth=row.depth, batch=row.batch)
+        assert plan04.step_s(h100, row.precision, sizes) == pytest.approx(row.median_s)
+    assert plan04.step_s(plans.Card.named("NVIDIA A100-SXM4-40GB"), "bf16", sizes) > row.median_s
+
+
+# ---- section 4: gradients lost to fp16 without scaling, kept with it ---------------------------------------------
+
+def test_the_loss_scaling_demonstration_loses_gradients_without_scaling_and_keeps_them_with_it(monkeypatch,
+                                                                                              results_dir):
+    """On the H200 of 2026-11-28 the section printed 0.0000 % of gradients lost both with and without scaling: it
+    counted the weights' gradients of one 256-point batch, sums over the batch that fp16 holds (0 % both ways on this
+    CPU too). It now counts the gradients backward carries between the layers, of the loss averaged over the quick
+    plan's 8,192 training points, from the fp32 model trained in quick mode: without scaling fp16 flushes some to zero,
+    scaled by 2^16 it keeps them. fp16 casts on a CPU round as a GPU's do (c10/util/Half-inl.h: to nearest, subnormals
+    kept), so this shows what a GPU shows."""
+    from .test_mfu_lessons_03_04 import run, trained04
+
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
+    scope = trained04(monkeypatch, ["fp32"], steps=150)  # the quick plan's training, in fp32 only
+    scope["display"] = lambda *args: None
+    run(scope, "04", "def layer_gradients(", '"fp16 backward, no scaling"', "log2 scale")
+    plt.close("all")
+    shares = scope["shares"]
+    lost = shares["fp16 backward, no scaling"]["became zero"]
+    kept = shares["fp16 backward, scaled by 2^16"]["became zero"]
+    assert lost > 0.01, f"only {lost:.3%} of the gradients flushed to zero without scaling"
+    assert kept < lost / 100
+    assert scope["underflow_log"].frame()["points"].tolist() == [8192, 8192]

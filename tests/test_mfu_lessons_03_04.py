@@ -9,6 +9,7 @@ cannot pass), fake timings where a cell times (for lesson 03, the step times and
 where it matters, a GPU with TF32 standing in for the CPU in ``flops.precision_of``. Nothing is asserted on a real
 timing."""
 
+import dataclasses
 import math
 import re
 import types
@@ -427,8 +428,9 @@ def test_lesson_03s_full_mode_spends_little_of_its_two_minutes_on_fixed_duration
 
 
 # ---- lesson 04 --------------------------------------------------------------------------------------------------
-# MFU as the field defines it: over the vendor's dense datasheet peak of the precision a step ran in, "of achievable"
-# over the ceiling measured here beside it, and one reference peak wherever the precisions are compared side by side.
+# MFU as the field defines it, where it means something (the plan says so: a toy model gets speed-ups only): over the
+# vendor's dense datasheet peak of the precision a step ran in, printed beside it, "of achievable" over the ceiling
+# measured here, and one reference peak wherever the precisions are compared side by side.
 
 ALL = ["fp32", "tf32", "fp16", "bf16"]
 SHEET = datasheets.SHEETS["H100 SXM"].tflops  # the dense peaks the fake GPU's ceilings carry (a GPU's ceilings do)
@@ -461,12 +463,22 @@ def cpu_ceilings(monkeypatch, fake_ceilings):
     return fake_ceilings
 
 
-def lesson04(monkeypatch, precisions=None):
-    """Lesson 04 up to its MFU cell, running ``precisions`` (default: what this device supports)."""
-    scope = run({"gpulab": gpulab, "device": CPU}, "04", "flops, plots, precision, tasks")  # the imports
-    if precisions:
-        scope["precisions"] = precisions
-    return run(scope, "04", "def train_step(", "def step_mfu(")
+def with_sizes(plan, **sizes):
+    """``plan`` with some of its sizes replaced (a test's shorter run, or a card's MFU decision)."""
+    return dataclasses.replace(plan, sizes={**plan.sizes, **sizes})
+
+
+def lesson04(monkeypatch, precisions=None, **sizes):
+    """Lesson 04 up to its training step: its plan (``sizes`` replaced) and imports, ``precisions`` run (default: what
+    this device supports), the task, the model and the step's FLOPs."""
+    scope = run({"gpulab": gpulab, "device": CPU}, "04", 'plans.lesson("04")')
+    scope["plan"] = with_sizes(scope["plan"], **sizes, **({"precisions": precisions} if precisions else {}))
+    return run(scope, "04", "from gpulab import flops, plots, precision, tasks", "def train_step(")
+
+
+def trained04(monkeypatch, precisions=None, **sizes):
+    """``lesson04``, then its training in each precision (a few steps unless ``sizes`` says otherwise)."""
+    return run(lesson04(monkeypatch, precisions, **{"steps": 3, **sizes}), "04", "curves, models, runs, trained")
 
 
 def per_s(step_flops, seconds, tflops):
@@ -476,40 +488,41 @@ def per_s(step_flops, seconds, tflops):
 
 def test_lesson_04_divides_each_step_by_the_dense_peak_of_its_precision_with_of_achievable_beside_it(
         lesson_env, gpu_ceilings, tf32_gpu, monkeypatch, capsys):
-    scope = lesson04(monkeypatch, ALL)
+    fake_timing(monkeypatch, lambda label: 0.01)
+    scope = run(trained04(monkeypatch, ALL, mfu=True), "04", 'ResultLog("04_training_precision")')
     assert gpu_ceilings.asked == ALL and gpu_ceilings.compared == ALL  # each precision's ceiling, once; one peak
-    assert {p: scope["step_precision"](p) for p in ALL} == {p: p for p in ALL}
-    # the fp32 run switches TF32 off, whatever the switch says when its MFU is worked out
-    torch.set_float32_matmul_precision("high")
-    assert scope["step_precision"]("fp32") == "fp32"
-    step_flops = scope["step_flops"]
+    mfu, step_flops = scope["mfu"], scope["step_flops"]
+    assert mfu.ran_in == {p: p for p in ALL}  # the "tf32" run divides by the TF32 peak, the fp32 run by fp32's
     for p in ALL:
-        u = scope["step_mfu"](p, 0.01)
+        u = mfu.of(p, 0.01)
         assert (u.precision, u.datasheet_tflops, u.ceiling_tflops) == (p, SHEET[p], CEILINGS_TFLOPS[p])
         assert u.mfu == pytest.approx(per_s(step_flops, 0.01, SHEET[p]))  # the field's MFU
         assert u.of_achievable == pytest.approx(per_s(step_flops, 0.01, CEILINGS_TFLOPS[p]))
-        assert scope["one_peak"](u) == pytest.approx(per_s(step_flops, 0.01, ONE_PEAK[1]))
+        assert mfu.one_peak(p, 0.01) == pytest.approx(per_s(step_flops, 0.01, ONE_PEAK[1]))
     printed = capsys.readouterr().out
     assert "the bf16 step: MFU over the dense bf16 datasheet peak of 989.5 TFLOP/s; of achievable over the measured" \
            in printed
-    assert "the dense fp16 datasheet peak, 989.5 TFLOP/s." in printed and scope["one_peak_name"] == "MFU against the fp16 peak"
-    scope["ceilings"] = {"fp32": flops.Ceiling("fp32", 1.0)}  # a bf16 step never falls back on another ceiling
-    with pytest.raises(ValueError, match="no measured bf16 ceiling"):
-        scope["step_mfu"]("bf16", 0.01)
+    assert "the dense fp16 datasheet peak, 989.5 TFLOP/s." in printed
+    assert mfu.one_peak_name == "MFU against the dense fp16 peak of 989.5 TFLOP/s"
+    bare = dataclasses.replace(mfu, ceilings={"fp32": flops.Ceiling("fp32", 1.0)})
+    with pytest.raises(ValueError, match="no measured bf16 ceiling"):  # a bf16 step never falls back on another
+        bare.of("bf16", 0.01)
 
 
 def test_lesson_04_on_a_cpu_compares_precisions_against_the_measured_ceiling_and_names_it(
         lesson_env, cpu_ceilings, monkeypatch, capsys):
-    scope = lesson04(monkeypatch)
+    """Full mode on a CPU plans as an H100 (MFU: yes), but a CPU has no vendor peak: of achievable only, named so."""
+    fake_timing(monkeypatch, lambda label: 0.01)
+    scope = run(trained04(monkeypatch, mfu=True), "04", 'ResultLog("04_training_precision")')
     assert cpu_ceilings == ["fp32", "bf16"]  # a CPU: fp32 and bf16 autocast run, tf32 and fp16 are skipped
-    task, width, batch = scope["task"], scope["width"], scope["batch_size"]
-    weights = [task.dim * width] + [width * width] * (scope["depth"] - 1) + [width * task.classes]
-    assert scope["step_flops"] == batch * (2 * sum(weights) * 2 + 2 * sum(weights[1:]))
-    # no vendor peak for a CPU: MFU unknown, of achievable shown; one peak is the fastest ceiling measured here
-    u = scope["step_mfu"]("fp32", 0.01)
+    task, plan = scope["task"], scope["plan"]
+    weights = [task.dim * plan.width] + [plan.width * plan.width] * (plan.depth - 1) + [plan.width * task.classes]
+    assert scope["step_flops"] == plan.batch * (2 * sum(weights) * 2 + 2 * sum(weights[1:]))
+    mfu = scope["mfu"]
+    u = mfu.of("fp32", 0.01)
     assert math.isnan(u.mfu) and u.of_achievable == pytest.approx(per_s(scope["step_flops"], 0.01, 1.0))
-    assert (scope["reference"], scope["reference_tflops"], scope["from_sheet"]) == ("bf16", 32.0, False)
-    assert scope["one_peak_text"](u) == f"{per_s(scope['step_flops'], 0.01, 32.0) * 100:.3g} % of the measured bf16 ceiling"
+    assert (mfu.reference, mfu.reference_tflops, mfu.from_sheet) == ("bf16", 32.0, False)
+    assert mfu.one_peak_text("fp32", 0.01) == f"{per_s(scope['step_flops'], 0.01, 32.0) * 100:.3g} % of the measured bf16 ceiling"
     printed = capsys.readouterr().out
     assert "the fp32 step: no vendor fp32 peak for this device, so no MFU; of achievable over the measured fp32" in printed
     assert "the bf16 ceiling measured here, 32 TFLOP/s (no vendor peak for this device)" in printed
@@ -534,19 +547,17 @@ def test_lesson_04s_training_rows_carry_both_denominators_and_their_own_gpu_stat
 
     monkeypatch.setattr(gpulab, "bench", fake_bench)
     monkeypatch.setattr(gpulab, "compare", fake_compare)
-    scope = lesson04(monkeypatch, ALL)
-    scope["steps"] = 3  # a few training steps per precision: the numbers here are fake anyway
-    run(scope, "04", 'ResultLog("04_training_precision")')
-    training, step_flops = scope["training"], scope["step_flops"]
+    scope = run(trained04(monkeypatch, ALL, mfu=True), "04", 'ResultLog("04_training_precision")')
+    step_flops = scope["step_flops"]
+    written = scope["log"].frame().set_index("precision")
     for p in ALL:
-        row = training.loc[p]
+        row = written.loc[p]
         assert row["mfu"] == pytest.approx(per_s(step_flops, bench[p], SHEET[p]))
         assert row["datasheet_tflops"] == SHEET[p] and row["ceiling_precision"] == p
         assert row["of_achievable"] == pytest.approx(per_s(step_flops, bench[p], CEILINGS_TFLOPS[p]))
         assert row["ceiling_tflops"] == CEILINGS_TFLOPS[p]
         assert row["mfu_one_peak"] == pytest.approx(per_s(step_flops, bench[p], ONE_PEAK[1]))
         assert (row["one_peak_precision"], row["one_peak_tflops"]) == ONE_PEAK
-    written = scope["log"].frame().set_index("precision")
     assert reference_columns("04_training_precision") <= set(written.reset_index().columns)  # none renamed
     # each row carries the GPU state of its own bench, not the state of the comparison run after it
     assert written["sm_clock_mhz"].to_dict() == clock
@@ -555,15 +566,17 @@ def test_lesson_04s_training_rows_carry_both_denominators_and_their_own_gpu_stat
     assert list(speedups.index) == ALL[1:] and (speedups["sm_clock_mhz"] == 1200.0).all()
     assert speedups["caveat"].str.contains("power limit").all()
     assert speedups["speedup"].to_dict() == pytest.approx({p: raced["fp32"] / raced[p] for p in ALL[1:]})
+    shown = scope["steps_shown"]  # the table: each step at its median in the pairs, its MFU beside its own peak
+    assert shown["dense peak (TFLOP/s)"].to_dict() == {p: SHEET[p] for p in ALL}
+    assert shown["MFU"].to_dict() == pytest.approx({p: per_s(step_flops, raced[p], SHEET[p]) for p in ALL})
 
+    capsys.readouterr()
     run(scope, "04", "named = {p: f")  # the step-time bars: every bar's MFU over the one reference peak
     shares = {p: per_s(step_flops, raced[p], ONE_PEAK[1]) for p in ALL}
-    assert scope["named"] == {p: f"{p}, MFU {shares[p] * 100:.3g} % against the fp16 peak" for p in ALL}
+    assert scope["named"] == {p: f"{p}, MFU {shares[p] * 100:.3g} % against the dense fp16 peak" for p in ALL}
     assert sorted(ALL, key=shares.get) == sorted(ALL, key=raced.get, reverse=True)  # the faster step reads higher
     titles = [ax.get_title() for fig in map(plt.figure, plt.get_fignums()) for ax in fig.axes]
-    assert any("every bar's MFU over one peak: 989.5 TFLOP/s, the dense fp16 datasheet peak" in t for t in titles)
-    capsys.readouterr()
-    run(scope, "04", "Each step's MFU")
+    assert any("every bar's MFU over one peak: MFU against the dense fp16 peak of 989.5 TFLOP/s" in t for t in titles)
     printed = capsys.readouterr().out
     for p in ALL:  # each step's time and MFU in its interleaved pairs, beside the verdicts printed from those pairs
         line = next(line for line in printed.splitlines() if line.startswith(f"  {p}: "))
@@ -571,4 +584,28 @@ def test_lesson_04s_training_rows_carry_both_denominators_and_their_own_gpu_stat
         assert line.startswith(f"  {p}: {raced[p] * 1e3:.3g} ms per step")
         assert f"MFU {flops.percent(mfu)} (" in line and f"over the dense {p} peak of {SHEET[p]:g})" in line
         assert f"{flops.percent(achievable)} of achievable (the {p} ceiling measured here" in line
-        assert line.endswith(f"{per_s(step_flops, raced[p], ONE_PEAK[1]) * 100:.3g} % against the fp16 peak")
+        assert line.endswith(f"{per_s(step_flops, raced[p], ONE_PEAK[1]) * 100:.3g} % against the dense fp16 peak")
+
+
+def test_lesson_04_shows_a_toy_models_speed_ups_and_no_mfu(lesson_env, cuda_stand_in, gpu_ceilings, monkeypatch,
+                                                          capsys):
+    """The H200 of 2026-11-28 printed "MFU 0.00115 %" for the quick mode's 22,538-parameter MLP. Its step is set by
+    launches, not arithmetic: the plan says so (the CPU playing the H200, quick mode), and the lesson shows speed-ups,
+    samples/s and no MFU."""
+    fake_timing(monkeypatch, lambda label: {"fp32": 0.002}.get(label.split()[0], 0.001))
+    scope = trained04(monkeypatch)
+    assert scope["precisions"] == ALL and scope["plan"].mfu is False
+    assert "the 22,538-parameter MLP is a toy here" in scope["plan"].why["mfu"]
+    capsys.readouterr()
+    run(scope, "04", 'ResultLog("04_training_precision")', "named = {p: f")
+    printed = capsys.readouterr().out
+    assert scope["mfu"] is None and gpu_ceilings.asked == []  # no ceiling measured for a step MFU would not suit
+    assert f"No MFU here: {scope['plan'].why['mfu']}." in printed
+    assert "MFU" not in printed.replace(f"No MFU here: {scope['plan'].why['mfu']}.", "")
+    shown = scope["steps_shown"]
+    assert not [c for c in shown if "MFU" in c or "achievable" in c]
+    assert shown["speed-up over fp32"].dropna().to_dict() == pytest.approx({p: 2.0 for p in ALL[1:]})
+    assert shown["samples/s"].to_dict() == pytest.approx({p: scope["plan"].batch / s for p, s in
+                                                          scope["paired_s"].items()})
+    logged = scope["log"].frame()
+    assert "mfu" not in logged and reference_columns("04_training_precision") <= set(logged.columns)

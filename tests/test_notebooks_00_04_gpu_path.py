@@ -110,10 +110,11 @@ def test_lesson_04_says_what_the_tf32_error_is_and_which_api_it_uses():
     assert "mix of the legacy and new APIs" in text and "2.9" in text
 
 
-def test_lesson_04_measures_its_peak_once_and_says_how_flops_ceiling_times_it():
+def test_lesson_04_measures_its_peak_once_and_links_to_how_flops_ceiling_times_it():
     """The roofline's measured peak is flops.ceiling's, the ceiling section 3 divides by (one search per precision,
-    not a second one by precision.matmul_peak); the text gives flops.ceiling's full-mode defaults: a second of the
-    precision's own products first, then about 0.4 s per shape."""
+    not a second one by precision.matmul_peak); how it times (a second of the precision's own products first, then
+    about 0.4 s per shape, flops.ceiling's full-mode defaults) is said once, on the measuring page, which the lesson
+    links to."""
     import inspect
 
     from gpulab import flops
@@ -123,8 +124,11 @@ def test_lesson_04_measures_its_peak_once_and_says_how_flops_ceiling_times_it():
     assert "full=0.4" in inspect.getsource(flops.ceiling).split("seconds = by_mode(")[1].split("\n")[0]
     assert "by_mode(full=1.0," in inspect.getsource(flops._measure_ceiling)
     text = "\n".join(c.source for c in cells("04", "markdown"))
-    assert "first a second of the precision's own untimed products" in text and "about 0.4 s of products" in text
-    assert "matmul_peak" not in text
+    assert "(how_the_course_measures.ipynb#ceilings)" in text and "matmul_peak" not in text
+    page = " ".join(c.source for c in nbformat.read(ROOT / "notebooks" / "how_the_course_measures.ipynb",
+                                                    as_version=4).cells if c.cell_type == "markdown").split()
+    assert "after a second of the precision's own untimed products" in " ".join(page)
+    assert "for about 0.4 s" in " ".join(page)
 
 
 # ---- lesson 02: constants made once per device, no copy from the host per batch ----------------------------------
