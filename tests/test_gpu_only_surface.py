@@ -161,6 +161,15 @@ SURFACE = (
             "casts) from the H100's shipped step times; the stand-in cannot time a GPU",
             "lesson 04 full mode: each precision's MFU printed beside its dense datasheet peak, the bf16 step's "
             "well above the quick toy's thousandths of a percent; the plan's step times within a factor of 2"),
+    GpuOnly("Lesson 02's naive input pipeline starving the card's GPU, at the workload its plan chose",
+            ('"the naive pipeline starves the GPU"',),
+            "gpulab/plans/plan02.py predicts the card's training step from its FLOPs at the card's fp32 rate (TF32 for "
+            "cuDNN's convolutions, on by default from sm_80: aten/src/ATen/Context.h allow_tf32_cudnn = true, 2.6 to "
+            "2.14) times the share the H100's shipped ResNet-50 step reached, and an augmented image's cost from the "
+            "H100's and H200's runs; the stand-in times neither a GPU nor a real host's cores",
+            "lesson 02 full mode on each card: 'With num_workers=0 it trained ... the GPU waited for its data most of "
+            "the time', the data-on-device rate within a factor of 2 of the plan's; on a 2-vCPU T4 the tuned loader "
+            "short of that rate and the data set on the device faster than it"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",

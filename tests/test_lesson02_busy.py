@@ -26,6 +26,7 @@ from .test_mfu_lessons_03_04 import code
 from .test_notebooks_00_04_gpu_path import function_source
 
 DATA = Path(__file__).parent / "data" / "lesson02"
+PLAN, SWEEP = 'plans.lesson("02")', 'ResultLog("02_dataloader")'  # the plan's cell; the loader sweep's
 CPU = torch.device("cpu")
 
 
@@ -58,7 +59,7 @@ def assigned(marker: str, name: str, scope: dict) -> None:
 def plot_loader():
     """The lesson's plot_loader, defined as its cell defines it."""
     scope = {"plots": plots, "plt": plt, "pd": pd}
-    assigned("def steady_rate(", "BUSY_NAMES", scope)
+    assigned(SWEEP, "BUSY_NAMES", scope)
     exec(compile(function_source("02", "plot_loader"), "<lesson 02: plot_loader>", "exec"), scope)
     return scope["plot_loader"]
 
@@ -147,14 +148,14 @@ class FakeGpu:
 
 def sweep(monkeypatch, gpu=None) -> dict:
     """Lesson 02's imports, data set, model and loader sweep, run on the CPU (with ``gpu`` standing in for one)."""
-    scope = run({"gpulab": gpulab, "device": CPU}, "from gpulab.transfers import")
+    scope = run({"gpulab": gpulab, "device": CPU}, PLAN, "from gpulab.transfers import")
     shown = scope["shown"] = []
     scope["display"] = lambda frame: shown.append(frame)
     if gpu is not None:
         monkeypatch.setattr(busy, "measure", gpu.measure)
         monkeypatch.setattr(conditions, "Watch", gpu.Watch)
         scope["DataLoader"] = gpu.Loader
-    return run(scope, "one augmented sample", "def train_step(", "def steady_rate(")
+    return run(scope, "one augmented sample", "def train_step(", "def steady_rate(", SWEEP)
 
 
 def test_each_loader_row_carries_its_own_configurations_busy_share_and_gpu_state(lesson_env, monkeypatch):

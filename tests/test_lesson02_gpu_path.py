@@ -39,7 +39,8 @@ def lesson(cuda_stand_in, monkeypatch, results_dir):
     cuda_stand_in.nvml.gpu_util_pct, cuda_stand_in.nvml.sm_activity_pct = 97, 80.0
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
-    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, "from gpulab.transfers import")
+    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}, 'plans.lesson("02")',
+                "from gpulab.transfers import")
     scope["shown"] = []
     scope["display"] = scope["shown"].append
     assert scope["on_gpu"] and scope["info"].name == "NVIDIA H200" and scope["nvml_ok"]
@@ -124,7 +125,7 @@ def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson
     are NaN with the reason. Then the comparisons a GPU adds (cells 24, 25, 27, 30) run on what the sweep found."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_ACCELERATOR, UserWarning)
-        run(lesson, "one augmented sample", "def train_step(", "def steady_rate(")
+        run(lesson, "one augmented sample", "def train_step(", "def steady_rate(", 'ResultLog("02_dataloader")')
     steps = lesson["busy_steps"]
     ceiling = lesson["ceiling_busy"]
     assert ceiling.steps == gpulab.by_mode(full=20, quick=3) and ceiling.step_ms > 0
@@ -140,7 +141,7 @@ def test_each_loader_configuration_is_profiled_with_the_real_busy_measure(lesson
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_ACCELERATOR, UserWarning)
-        run(lesson, "def plot_loader(", "Highest steady rate measured", "monitored_loader = DataLoader(",
+        run(lesson, "def plot_loader(", "def epoch_of(", "Highest steady rate measured", "monitored_loader = DataLoader(",
             "def augment_on_device(", "uint8_loader = DataLoader(")
     tuned = list(lesson["configs"])[-1]
     where = "GPU"
