@@ -199,14 +199,14 @@ def test_the_watch_counts_a_step_replayed_without_python_as_a_cuda_graph_runs_it
 
 # ----- the decisions, on injected trials ----------------------------------------------------------------------
 
-N, EPOCHS = lesson08.SIZES["n_train"], lesson08.SIZES["epochs"]
+N, EPOCHS = lesson08.job().n_train, lesson08.job().epochs
 
 
 def trained_weights(seed=0, **moves) -> dict:
     """Seed ``seed``'s model with every parameter moved at random, as training moves it, or as ``moves`` says (a
     parameter's name, dots as __, to a function of its initial weights)."""
     gen = torch.Generator().manual_seed(seed)
-    state = models.SpeedrunNet(lesson08.SIZES["widths"], seed=seed).state_dict()
+    state = models.SpeedrunNet(lesson08.job().widths, seed=seed).state_dict()
     for name, p in lesson08.initial_parameters(seed).items():
         move = moves.get(name.replace(".", "__"), lambda w: w + 0.1 * torch.randn(w.shape, generator=gen))
         state[name] = move(p.clone())
@@ -215,7 +215,7 @@ def trained_weights(seed=0, **moves) -> dict:
 
 def packed(state: dict) -> str:
     """A state as a trial reports it."""
-    model = models.SpeedrunNet(lesson08.SIZES["widths"])
+    model = models.SpeedrunNet(lesson08.job().widths)
     model.load_state_dict(state)
     return pack_state(model)
 
@@ -226,7 +226,7 @@ TRAINED = packed(trained_weights())
 def facts(**changes) -> dict:
     """The report of an answer that trained as asked."""
     steps = EPOCHS * N // 64
-    report = {"model": "SpeedrunNet", "architecture": lesson08._architecture(models.SpeedrunNet(lesson08.SIZES["widths"])),
+    report = {"model": "SpeedrunNet", "architecture": lesson08._architecture(models.SpeedrunNet(lesson08.job().widths)),
               "samples": EPOCHS * N, "forwards": steps, "backwards": steps,
               "gradients": dict.fromkeys(lesson08.initial_parameters(0), steps), "replaced": [], "state": TRAINED,
               "weight_dtypes": ["float32"], "final_dtypes": ["float32"], "input_dtypes": ["float32"],
@@ -307,7 +307,7 @@ def watched(train, *, steps=8, seed=0, replayed=False, facts=False):
     """What the check says of a training of seed ``seed``'s model, under the check's watch, on ``steps`` batches,
     eagerly or as a captured and replayed step (``ReplayedStep``): ``left_out``'s line, or None (with ``facts``: the
     watch's facts too). ``train(model)`` prepares the model and returns the optimizer (None: SGD as the recipe's)."""
-    model = models.SpeedrunNet(lesson08.SIZES["widths"], seed=seed)
+    model = models.SpeedrunNet(lesson08.job().widths, seed=seed)
     watch = lesson08.TrainingWatch(model, n_train=10**6, events=None, device=torch.device("cpu"))
     optimizer = train(model) or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
 
@@ -436,7 +436,7 @@ def test_a_training_with_the_recipe_moves_every_parameter_far_beyond_a_rescaling
     zeroed before every step (its weight decay still applied), on seed 3."""
     solution = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
     data = capstone.make_dataset(N, 0, seed=3)
-    model = models.SpeedrunNet(lesson08.SIZES["widths"], seed=3)
+    model = models.SpeedrunNet(lesson08.job().widths, seed=3)
     model.net[0].weight.register_hook(torch.zeros_like)
     solution(model, data, epochs=EPOCHS, device=torch.device("cpu"))
     initial = lesson08.initial_parameters(3)
@@ -609,3 +609,21 @@ def test_a_blank_answer_is_not_attempted_and_a_non_function_is_wrong():
     assert judged(not_attempted).status == "not attempted"
     result = judged(capstone.make_dataset(8, 8))
     assert result.status == "wrong" and "your function itself" in result.message
+
+
+def test_the_exercise_trains_the_job_the_lesson_plans_for_the_card(monkeypatch):
+    """In full mode on a T4 the check trains the lesson's planned job, not the H100's (the full network in fp32 would
+    take its baseline many minutes there); in quick mode, quick mode's job."""
+    from gpulab import plans
+
+    from .cuda_stand_in import installed
+
+    lesson08.job.cache_clear()
+    monkeypatch.setenv("GPULAB_QUICK", "0")
+    with installed("Tesla T4"):
+        planned = plans.plan_for("08", plans.Card.here()).job
+        assert lesson08.job() == planned and planned != capstone.FULL_SIZES
+    lesson08.job.cache_clear()
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    assert lesson08.job() == capstone.QUICK_SIZES
+    lesson08.job.cache_clear()

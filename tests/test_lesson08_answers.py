@@ -78,9 +78,9 @@ def augment_per_epoch(model, data, *, epochs, device):
 def test_the_shown_solution_and_an_unusual_right_answer_train_as_asked():
     for answer in (fast_train, augment_per_epoch):
         (trial,) = answer_trials(answer)
-        assert trial.report["samples"] == lesson08.SIZES["epochs"] * lesson08.SIZES["n_train"]
+        assert trial.report["samples"] == lesson08.job().epochs * lesson08.job().n_train
         assert trial.report["accuracy"] > 0.6  # each epoch after the first is marked where it starts
-        assert [m["epoch"] for _, m in trial.marks] == list(range(1, lesson08.SIZES["epochs"]))
+        assert [m["epoch"] for _, m in trial.marks] == list(range(1, lesson08.job().epochs))
 
 
 class ReplayedStep(TorchDispatchMode):
@@ -145,7 +145,7 @@ def test_an_answer_that_replays_its_step_without_python_is_counted_whole():
     """The 2026-11-28 review: the check counted with Python hooks, which a replayed CUDA graph never runs, so such an
     answer (as lesson 08 teaches) was told it fed the model a few batches. Its step's own kernels count now."""
     (trial,) = answer_trials(replayed_like_a_cuda_graph)
-    n, epochs = lesson08.SIZES["n_train"], lesson08.SIZES["epochs"]
+    n, epochs = lesson08.job().n_train, lesson08.job().epochs
     assert trial.report["samples"] == epochs * (n // capstone.SIZES.batch * capstone.SIZES.batch)
     assert trial.report["backwards"] == trial.report["forwards"] == epochs * (n // capstone.SIZES.batch)
     assert trial.marks == []  # its epochs leave no marks: the check times its whole run
@@ -241,7 +241,7 @@ def saved_weights(model, data, *, epochs, device):
 
 
 def test_weights_trained_earlier_and_loaded_from_a_file_are_rejected(tmp_path, monkeypatch):
-    torch.save(models.SpeedrunNet(lesson08.SIZES["widths"]).state_dict(), tmp_path / "trained.pt")
+    torch.save(models.SpeedrunNet(lesson08.job().widths).state_dict(), tmp_path / "trained.pt")
     monkeypatch.setitem(globals(), "WEIGHTS_FILE", str(tmp_path / "trained.pt"))
     with pytest.raises(Wrong, match="did not train the model it was given"):
         answer_trials(saved_weights)

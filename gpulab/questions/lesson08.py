@@ -8,7 +8,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import capstone
+from .. import capstone, plans
 from ..check import Question, Wrong
 from ..comparison import Comparison
 from ..device import get_device, on_gpu, sync
@@ -17,10 +17,16 @@ from ..models import SpeedrunNet
 from .portable import left_blank, source_of
 from .timed_check import Duel, Trial, loaded_machine, pack_state, unpack_state
 
-# The job both versions train: lesson 08's, sized by mode (capstone.SIZES). In quick mode the baseline takes a few
-# seconds on one thread of a 2-core CPU and brings the network to about 95 % test accuracy (82-98 % over seeds 0-5).
-SIZES = {"n_train": capstone.SIZES.n_train, "n_test": capstone.SIZES.n_test, "epochs": capstone.SIZES.epochs,
-         "widths": capstone.SIZES.widths}
+
+@functools.cache
+def job() -> capstone.Sizes:
+    """The job both versions train: lesson 08's as the lesson plans it on this machine (``gpulab.plans``: on a GPU in
+    full mode, the network and images sized for the card, so that a T4's baseline trains in minutes; in quick mode
+    ``capstone.QUICK_SIZES``, whose baseline takes a few seconds on one thread of a 2-core CPU and brings the network to
+    about 95 % test accuracy, 82-98 % over seeds 0-5)."""
+    quick = quick_mode()
+    return plans.plan_for("08", plans.Card.here(quick=quick), quick=quick).job
+
 # Accuracy may fall this far below the baseline's mean (or twice the spread of its runs, whichever is more): quick
 # mode's short runs spread by several points from one seed to the next, and a broken step costs far more (labels
 # shuffled, the normalisation forgotten or a larger batch without its learning rate: 10 to 80 points, tests show it).
@@ -45,7 +51,7 @@ def threshold(device: torch.device) -> float:
 
 def _warm_up(device: torch.device) -> None:
     """Start the device (CUDA context, cuDNN and cuBLAS handles) before anything is timed."""
-    model = SpeedrunNet(SIZES["widths"]).to(device)
+    model = SpeedrunNet(job().widths).to(device)
     F.cross_entropy(model(torch.randn(8, 3, 32, 32, device=device)), torch.zeros(8, dtype=torch.long,
                                                                                   device=device)).backward()
     sync(device)
@@ -190,13 +196,13 @@ class TrainingTask:
     @staticmethod
     def trial(train, seed: int, events) -> dict:
         device = get_device()
-        data = capstone.make_dataset(SIZES["n_train"], 0, seed=seed)
+        data = capstone.make_dataset(job().n_train, 0, seed=seed)
         empty = torch.zeros(0, dtype=torch.uint8)
         data = capstone.ImageData(stamped(data.train_images), data.train_labels, empty, empty.long())  # no test split
         torch.manual_seed(seed)
-        model = SpeedrunNet(SIZES["widths"], seed=seed).to(device)
-        watch = TrainingWatch(model, SIZES["n_train"], events, device)
-        train(model, data, epochs=SIZES["epochs"], device=device)
+        model = SpeedrunNet(job().widths, seed=seed).to(device)
+        watch = TrainingWatch(model, job().n_train, events, device)
+        train(model, data, epochs=job().epochs, device=device)
         sync(device)
         events.done()
         return {"model": type(model).__name__, "architecture": _architecture(model), "state": pack_state(model),
@@ -243,8 +249,8 @@ def _judged(trial: Trial) -> Trial:
 
 def _accuracy(trial: Trial) -> float:
     """The test accuracy of the weights a trial reported, on the test images of its seed."""
-    test = capstone.make_dataset(SIZES["n_train"], SIZES["n_test"], seed=trial.seed)
-    model = SpeedrunNet(SIZES["widths"])
+    test = capstone.make_dataset(job().n_train, job().n_test, seed=trial.seed)
+    model = SpeedrunNet(job().widths)
     model.load_state_dict(unpack_state(trial.report["state"]))
     return capstone.evaluate(model, test.test_images, test.test_labels, "cpu")
 
@@ -255,8 +261,8 @@ def _judged_pairs(pairs):
 
 def _verify(trial: Trial) -> None:
     """Raise Wrong unless the answer's trial trained the model it was given, all of it, as the job says."""
-    facts, epochs, n = trial.report, SIZES["epochs"], SIZES["n_train"]
-    if facts["model"] != "SpeedrunNet" or facts["architecture"] != _architecture(SpeedrunNet(SIZES["widths"])):
+    facts, epochs, n = trial.report, job().epochs, job().n_train
+    if facts["model"] != "SpeedrunNet" or facts["architecture"] != _architecture(SpeedrunNet(job().widths)):
         raise Wrong("the model was changed: train the SpeedrunNet you are given, with its layers and shapes as they "
                     "are (a faster model is a different exercise)")
     if facts["samples"] == 0:
@@ -297,7 +303,7 @@ RESCALED, ROUNDING = 0.01, 1e-5
 
 def initial_parameters(seed: int) -> dict[str, torch.Tensor]:
     """The weights a trial's model started from, built again here from its seed."""
-    return {name: p.detach() for name, p in SpeedrunNet(SIZES["widths"], seed=seed).named_parameters()}
+    return {name: p.detach() for name, p in SpeedrunNet(job().widths, seed=seed).named_parameters()}
 
 
 def unscaled_change(initial: torch.Tensor, final: torch.Tensor) -> tuple[float, float, float]:
