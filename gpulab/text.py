@@ -1,4 +1,4 @@
-"""Lesson 09's text and its small GPT: real text that needs no download, and the model the lesson writes out.
+"""Lessons 09-11's text and their small GPT: real text that needs no download, and the model lesson 09 writes out.
 
 The text is Python's own standard library: every ``.py`` file under ``sysconfig``'s ``stdlib`` folder (tests,
 ``site-packages`` and the IDLE editor left out), read in sorted order, as bytes. Tokens are the bytes (0–255) and
@@ -7,7 +7,7 @@ that padding it to a multiple of 64 is a real choice. The same Python version gi
 
 ``GPT`` is nanoGPT's shape (token and position embeddings, pre-LayerNorm blocks of causal self-attention and an
 MLP, a head tied to the token embedding) exactly as lesson 09 writes it out in its notebook; it lives here too so
-that the exercise checks and the tests can build a model of any configuration.
+that lessons 10 and 11, the exercise checks and the tests can build a model of any configuration.
 """
 
 import math
@@ -95,8 +95,8 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attention: str = "manual"  # "manual": written out; "sdpa": F.scaled_dot_product_attention
-    checkpoint: bool = False  # recompute each block's activations in the backward pass
-    padded_vocab: int = 0  # more than vocab_size: the embedding and the head get this many rows (lesson 09, section 4)
+    checkpoint: bool = False  # recompute each block's activations in the backward pass (lesson 11)
+    padded_vocab: int = 0  # more than vocab_size: the embedding and the head get this many rows (lesson 10)
 
 
 def manual_attention(q, k, v):
