@@ -71,7 +71,7 @@ class LessonPlan:
             "memory_gb": round(self.memory_gb, 3), "usable_gb": round(self.card.usable_gb(), 3),
             "sizes": {k: _jsonable(v) for k, v in self.sizes.items()}, "why": dict(self.why),
             "parts": [{"part": p.name, "seconds": round(p.seconds, 1), "basis": p.basis} for p in self.parts],
-            "regimes": [{"regime": r.name, "holds": r.holds, "detail": r.detail} for r in self.regimes],
+            "regimes": [{"regime": r.name, "holds": bool(r.holds), "detail": r.detail} for r in self.regimes],
             "lacks": self.card.lacks(self.features),
         }
 
@@ -102,6 +102,8 @@ class LessonPlan:
 
 
 def _jsonable(value):
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy or torch scalar
+        value = value.item()
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
