@@ -69,10 +69,25 @@ class Attention:
     attn_mask: torch.Tensor | None = None
     dropout: float = 0.0
     is_causal: bool = False
+    cast_to: torch.dtype | None = None  # autocast's dtype, where it casts the inputs before the kernel is chosen
 
     @classmethod
     def of(cls, params) -> "Attention":
         return cls(params.query, params.key, params.value, params.attn_mask, params.dropout, params.is_causal)
+
+    @classmethod
+    def called(cls, query, key, value, attn_mask, dropout, is_causal) -> "Attention":
+        """An SDPA call's inputs as its kernel gets them: under autocast, in autocast's dtype (SDPA is one of the
+        operators autocast runs in lower precision, ATen/autocast_mode.h AT_FORALL_LOWER_PRECISION_FP; float64 is
+        left alone). The stand-in's autocast is the CPU's (the lessons autocast on their device's type)."""
+        device = query.device.type
+        cast = query.is_floating_point() and query.dtype != torch.float64 and torch.is_autocast_enabled(device)
+        return cls(query, key, value, attn_mask, dropout, is_causal,
+                   torch.get_autocast_dtype(device) if cast else None)
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        return [self.cast_to or t.dtype for t in (self.query, self.key, self.value)]
 
     @property
     def head_dims(self) -> tuple[int, int, int]:
@@ -109,7 +124,7 @@ def _not_4d(p: Attention) -> str | None:
 
 def _dtype(p: Attention, allowed: tuple) -> str | None:
     """sdp_utils_cpp.h check_tensor_dtype: query, key and value all of one allowed dtype."""
-    dtypes = [t.dtype for t in (p.query, p.key, p.value)]
+    dtypes = p.dtypes
     if len(set(dtypes)) == 1 and dtypes[0] in allowed:
         return None
     names = ", ".join(SCALAR_TYPE[d] for d in allowed)
@@ -156,7 +171,7 @@ def efficient_refusal(card, p: Attention) -> str | None:
     constraints, then its dtypes. It runs from sm50 (a T4 too), in fp16 and fp32 before sm80, bf16 too from sm80; its
     head dimension a multiple of minimum_gemm_alignment (8 for fp16 and bf16 on tensor cores, 4 for fp32 from sm80, 1
     for fp32 before)."""
-    half = p.query.dtype in (torch.float16, torch.bfloat16)
+    half = p.dtypes[0] in (torch.float16, torch.bfloat16)
     tensor_cores = card.major >= 8 or (card.major == 7 and half)  # use_tensor_cores
     alignment = max(4 if card.major >= 8 else 1, (128 // (16 if half else 32)) if tensor_cores else 1)
     q, k, v = p.head_dims
@@ -226,7 +241,7 @@ def attention(real, card, chosen: Counter):
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
         if not torch.compiler.is_compiling():
-            backend = choose(card, Attention(query, key, value, attn_mask, dropout_p, is_causal))
+            backend = choose(card, Attention.called(query, key, value, attn_mask, dropout_p, is_causal))
             chosen[backend] += 1
             with sdpa_kernel(ON_THE_CPU[backend]):
                 return real(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -225,6 +225,14 @@ def test_an_ampere_or_newer_card_runs_flash_attention_in_half_precision_only(cud
     assert cuda_stand_in.attention == {"flash": 1, "efficient": 1}
 
 
+@pytest.mark.parametrize("cuda_stand_in", ["NVIDIA H200"], indirect=True)
+def test_the_card_chooses_for_the_dtype_autocast_casts_the_inputs_to(cuda_stand_in):
+    """float32 inputs under bf16 autocast reach the kernel in bf16, which flash takes (float32 it refuses)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attend(SDPBackend.FLASH_ATTENTION, dtype=torch.float32)
+    assert cuda_stand_in.attention == {"flash": 1}
+
+
 @pytest.mark.parametrize("cuda_stand_in", ["NVIDIA L4"], indirect=True)
 def test_an_l4_refuses_flash_attention_for_training_with_a_head_dim_over_192(cuda_stand_in):
     """check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: sm86-sm89 only, training only."""
