@@ -111,6 +111,14 @@ def test_each_card_is_played_with_its_own_properties_and_torch_is_restored_after
             torch.backends.cuda.can_use_flash_attention) == real
 
 
+def test_the_device_generic_fixture_plays_the_cpu_an_h200_and_a_t4(course_device_and_t4):
+    info = gpulab.device_info(course_device_and_t4)
+    played = gpulab.device.STAND_IN
+    assert gpulab.on_gpu(course_device_and_t4) is (played is not None)
+    assert info.bf16_native is (played == "NVIDIA H200") and info.tensor_cores is (played is not None)
+    assert info.name == (played or info.name) and info.sm_count in (None, 132, 40)
+
+
 # ---- the cards: their datasheets' facts --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", CARDS)
