@@ -1,9 +1,9 @@
 """Lesson 03's GPU branches and the batch finder's, run on the CPU playing an NVIDIA H200 (tests/cuda_stand_in.py):
-the allocator's statistics around each trial, the budget checked against the card's memory, a search of the whole card
-that meets the card's own out-of-memory errors, and the lesson's cells that count a step two ways. The stand-in's
-allocator counts the same tensors a MemoryTracker does (a CPU takes no cuDNN workspace), so where the H200 found a
-difference (tests/test_lesson03_workspace.py replays it) the stand-in finds none: what runs here is the code around
-torch's calls, never the GPU."""
+the allocator's statistics around each trial, the budget checked against the card's memory, a search of the card
+capped by the plan that meets the card's own out-of-memory errors, and the lesson's cells that count a step two ways.
+The stand-in's allocator counts the same tensors a MemoryTracker does (a CPU takes no cuDNN workspace), so where the
+H200 found a difference (tests/test_lesson03_workspace.py replays it) the stand-in finds none: what runs here is the
+code around torch's calls, never the GPU."""
 
 from unittest import mock
 
@@ -70,7 +70,7 @@ def lesson(cuda_stand_in, results_dir, monkeypatch, capsys):
 
     def start(quick: bool) -> dict:
         monkeypatch.setenv("GPULAB_QUICK", "1" if quick else "0")
-        scope = run({"gpulab": gpulab, "device": CPU}, "03", "from gpulab import batch_finder")
+        scope = run({"gpulab": gpulab, "device": CPU}, "03", "plans.lesson(", "from gpulab import batch_finder")
         scope["display"] = lambda *args, **kwargs: None
         capsys.readouterr()
         return scope
@@ -106,21 +106,29 @@ def test_in_quick_mode_the_searches_run_within_the_budget_and_count_the_step_two
     assert written.allocator_MiB.tolist() == pytest.approx(beyond.allocator_MiB.tolist())
 
 
-def test_in_full_mode_the_searches_run_on_the_whole_card_until_it_is_out_of_memory(lesson, capsys, cuda_stand_in):
+def test_in_full_mode_the_searches_meet_the_out_of_memory_error_of_the_card_capped_by_the_plan(lesson, capsys,
+                                                                                               cuda_stand_in):
+    """Full mode on a GPU: the card itself, capped at the plan's cap_gb with set_per_process_memory_fraction (the
+    stand-in's allocator refuses past it as a capped GPU's does), the cap lifted after the searches. Today's lesson
+    searched the whole card, bounded by nothing but max_batch=2**18."""
     scope = lesson(quick=False)
+    plan, total = scope["plan"], cuda_stand_in.card.total_memory
+    assert plan.cap_gb == pytest.approx(0.75 * 141, abs=0.05) and plan.search_max_batch < 2**18
     run(scope, "03", "def trial(")
     assert scope["budget"] is None and scope["count"] == "allocator"
-    assert "Searching the whole card: 139.8 GiB" in capsys.readouterr().out
-    card = 12 * MiB  # the whole card, made small: the stand-in refuses past it as a full GPU does
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + card) / cuda_stand_in.card.total_memory)
+    assert cuda_stand_in.tracker.budget == pytest.approx(plan.cap_gb * 1e9)  # the cap, on the card's allocator
+    assert f"Searching the card up to a cap of {plan.cap_gb:g} GB of its 150.1 GB" in capsys.readouterr().out
+    card = 12 * MiB  # the cap, made small: the stand-in refuses past it as a capped GPU does
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + card) / total)
     run(scope, "03", *SEARCH_CELLS)
     search = scope["search"]
     assert search.budget_bytes is None and 1 <= search.batch_size < scope["naive"] * 2
     assert {t.outcome for t in search.trials if not t.fits} == {OUT_OF_MEMORY}
     assert scope["naive_left"] == 0 and search.allocated_after == search.allocated_before
+    assert cuda_stand_in.tracker.budget == total  # the whole card again after the searches
     run(scope, "03", "def both_peaks(")
     out = capsys.readouterr().out
-    assert "the searches on the whole card met real out-of-memory errors" in out and "by_allocator" not in scope
+    assert "the searches on the card met real out-of-memory errors" in out and "by_allocator" not in scope
     assert all(2 * b <= search.batch_size for b in scope["beyond"].index)  # only up to half the largest
 
 
@@ -130,7 +138,7 @@ def test_the_sweep_gives_the_cache_back_after_each_model(lesson, monkeypatch):
     h200_ceilings(monkeypatch)
     replay(monkeypatch, H200["throughput"])
     scope = lesson(quick=True)
-    run(scope, "03", "MODELS = {", "def mfu_of(")
+    run(scope, "03", "MODELS = {", "utilisation = batching.Utilisation(")
     emptied = []
     with mock.patch.object(torch.cuda, "empty_cache", lambda: emptied.append(len(scope["rows"]))):
         run(scope, "03", 'ResultLog("03_throughput")')

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import gpulab
-from gpulab import batch_finder, memory, models
+from gpulab import batch_finder, batching, memory, models
 from gpulab.batch_finder import find_max_batch
 from gpulab.memory import MemoryTracker, TrackerError, WorkspaceMeter
 
@@ -157,7 +157,9 @@ def lesson(gpu, results_dir, monkeypatch, capsys):
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     monkeypatch.setattr(gpulab, "device_info", lambda device=None: SimpleNamespace(name="simulated H200"))
-    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": META}, "03", "from gpulab import batch_finder")
+    monkeypatch.setattr(batching, "device_info", lambda device=None: SimpleNamespace(name="simulated H200"))
+    scope = run({"__name__": "__main__", "gpulab": gpulab, "device": META}, "03", "plans.lesson(",
+                "from gpulab import batch_finder")
     scope.update(on_gpu=True, display=lambda *args, **kwargs: None)
     capsys.readouterr()
     yield scope
