@@ -87,6 +87,7 @@ def bench(
     threads: int | None = None,
     device: str | torch.device | None = None,
     cache: str = "warm",
+    alone: bool = False,
     **kwargs,
 ) -> Measurement:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then timed runs.
@@ -99,6 +100,10 @@ def bench(
     sit in the cache (the GPU's L2, the CPU's caches). ``cache="cold"`` writes a buffer larger than that
     cache before every call, untimed, then times that one call alone (between CUDA events on a GPU, as
     ``triton.testing.do_bench`` does): the time of a call whose data comes from memory.
+
+    ``alone=True`` times a warm call alone too: after the same call (its data left in the cache), one call per run,
+    between CUDA events queued behind an untimed hold (``torch.cuda._sleep``) on a GPU, so that the events time the
+    GPU's work and not its launch (a cold call's flush holds the GPU the same way).
     """
     _check_arguments(fn, repeats, warmup, min_time, threads, cache)
     device = str(get_device(device))
@@ -114,9 +119,10 @@ def bench(
     watch = conditions.Watch(device).start()
     try:
         timer.timeit(warmup)
-        if cache == "cold":
+        if cache == "cold" or alone:
             call = functools.partial(fn, *args, **kwargs)
-            times = _cold_runs(timer, call, _cache_flush(device), device, repeats, min_time)
+            before = _cache_flush(device) if cache == "cold" else _held_after(call, device)
+            times = _cold_runs(timer, call, before, device, repeats, min_time)
         elif repeats is not None:
             times = [timer.timeit(1) for _ in range(repeats)]
         else:
@@ -185,7 +191,8 @@ def _sized_block(timer: timeit.Timer, target: float) -> tuple[int, float]:
 
 
 def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | None, min_time: float) -> list[float]:
-    """One call per run, each after ``flush()``: ``repeats`` runs, or as many as fit in about ``min_time``."""
+    """One call per run, each after ``flush()`` (or what else goes first): ``repeats`` runs, or as many as fit in
+    about ``min_time``."""
     cuda = on_gpu(device)
     stream = torch.cuda.current_stream(device) if cuda else None  # the measured GPU's stream, not the current GPU's
     times, events, start = [], [], time.perf_counter()
@@ -205,6 +212,59 @@ def _cold_runs(timer: timeit.Timer, call, flush, device: str, repeats: int | Non
         torch.cuda.synchronize(device)
         times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
     return times
+
+
+# About a millisecond at 1.5-2.5 GHz: longer than Python takes to queue two events and a call
+HOLD_CYCLES = 2**21
+# Above any current GPU's top SM clock: a hold of seconds × HOLD_CLOCK_HZ cycles lasts at least those seconds
+HOLD_CLOCK_HZ = 2.5e9
+
+
+def _held_after(call, device: str):
+    """What a warm call timed alone follows: the same call, then on a GPU an untimed hold. ``torch.cuda._sleep``
+    (torch/cuda/__init__.py; aten/src/ATen/cuda/Sleep.cu, torch 2.6-2.14) queues one thread spinning for the cycles
+    asked on the current stream, touching no memory: the cache keeps what the call left there."""
+
+    def before():
+        call()
+        if on_gpu(device):
+            torch.cuda._sleep(HOLD_CYCLES)
+
+    return before
+
+
+@dataclass(frozen=True)
+class QueueAndRun:
+    """One call split in two: the host's seconds to queue it (the clock read without waiting for the GPU) and the
+    GPU's own seconds to run it. On a CPU a call has run when it returns: both are its host time."""
+
+    queue_s: float
+    run_s: float
+
+
+def queue_and_run(fn, *, calls: int = 10, device: str | torch.device | None = None) -> QueueAndRun:
+    """``fn()`` split into the host's time to queue it and the GPU's time to run it, per call, over ``calls`` calls
+    after one untimed call. The queueing is timed from an empty queue without waiting (``calls`` must stay below
+    the launch queue's depth); the running between CUDA events queued behind an untimed hold three times as long as
+    the queueing took, so that the GPU never waits for Python between the events (on the current GPU)."""
+    device = get_device(device)
+    fn()
+    synced_clock(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queue_s = (time.perf_counter() - start) / calls
+    if not on_gpu(device):
+        return QueueAndRun(queue_s, queue_s)
+    synced_clock(device)
+    torch.cuda._sleep(math.ceil(3 * queue_s * calls * HOLD_CLOCK_HZ))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return QueueAndRun(queue_s, begin.elapsed_time(end) / 1e3 / calls)
 
 
 def _cache_flush(device: str):

@@ -74,7 +74,8 @@ SURFACE = (
             ("torch.cuda._sleep",),
             "torch/cuda/__init__.py _sleep and aten/src/ATen/cuda/Sleep.cu spin_kernel (one thread spins on clock64 "
             "on the current stream); an event is stamped when the stream reaches it (torch/cuda/streams.py, Event)",
-            "lesson 01: warm copies no slower than cold ones at every size"),
+            "lesson 01: warm copies no slower than cold ones at every size; the sync in a loop's GPU time per step "
+            "(gpulab.timing.queue_and_run) at most the loop's time per step transferring once"),
     GpuOnly("Device memory's theoretical bandwidth, the vector add's ceiling",
             ("memory_clock_rate", "memory_bus_width"),
             "_CudaDeviceProperties (torch/csrc/cuda/Module.cpp): the memory clock and bus width (older torch lacks "
@@ -243,6 +244,8 @@ OTHER_QUESTIONS = {
     ("notebooks/00_setup_and_diagnostics.ipynb", 'other = device if device.type != "cpu" else torch.device("meta")'):
         "where the tensors live: a second device for the mismatch demo",
     ("notebooks/01_cuda_basics.ipynb", 'if device.type == "cpu":'): "where the tensors live: Triton's interpreter",
+    ("notebooks/01_cuda_basics.ipynb", "elif not torch.cuda.is_available():"):
+        "a CUDA runtime for nvcc's build to run on (the stand-in has none)",
 }
 # The checks' own simulated GPU (gpulab/questions/stand_in.py, observe.py): a learner's code is run on the meta
 # device where there is no real GPU; these modules ask where a learner's tensors went, and whether a real GPU exists.
