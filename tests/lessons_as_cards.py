@@ -24,12 +24,11 @@ def run_as(notebook: Path, card: str, *, timeout: int = 600) -> nbformat.Noteboo
     nb = nbformat.read(notebook, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell(first_cell(card)))
     env = {**os.environ, "GPULAB_QUICK": "1", "MPLBACKEND": "Agg"}
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}},
-                            env=env)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}})
     try:
-        client.execute(env=env)
+        client.execute(env=env)  # the kernel's environment (a keyword of the kernel manager's start, not the client's)
     except CellExecutionError as err:
-        code = [c for c in nb.cells if c.cell_type == "code"]
+        code = [c for c in nb.cells[1:] if c.cell_type == "code"]  # the lesson's own, without the stand-in's first cell
         failed = next((i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))),
                       None)
         raise AssertionError(f"{notebook.name} as {card}: code cell {failed} of the lesson failed:\n{err}") from None

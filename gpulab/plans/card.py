@@ -82,8 +82,9 @@ class Card:
     sheet: datasheets.Sheet | None
     cpu_cores: int
     gpus: int = 1
-    # GB (1e9 bytes) the plans size against; 0: the datasheet's capacity read as decimal GB, at or below what CUDA
-    # reports (a T4's "16 GB" is 15.8 GB to CUDA, an H100's "80 GB" 85.0 GB, an H200's "141 GB" 150.1 GB)
+    # GB (1e9 bytes) the plans size against; 0: the datasheet's capacity read as decimal GB, within a few per cent of
+    # what CUDA reports (a T4's "16 GB" is 15.8 GB to CUDA, an L4's "24 GB" 23.6 GB, an H100's "80 GB" 85.0 GB, an
+    # H200's "141 GB" 150.1 GB): the plans fill at most ``usable_gb`` of it
     memory_gb: float = field(default=0.0)
     note: str = ""  # where the facts come from, where not the datasheet
 
