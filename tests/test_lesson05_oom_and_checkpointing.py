@@ -81,15 +81,16 @@ def lesson(results_dir, monkeypatch):
     monkeypatch.setenv("GPULAB_QUICK", "1")
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     scope = {"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}
-    run_cell("import contextlib", scope)
-    run_cell("def measuring():", scope)
+    for marker in ("plans.lesson(", "import contextlib", "def measuring():"):
+        run_cell(marker, scope)
+    scope.update(mlp_width=scope["plan"].mlp_width, mlp_depth=scope["plan"].mlp_depth)  # section 3's, which 4 reads
     yield scope
     plt.close("all")
 
 
 def oom_scope(lesson):
     """What section 7 needs from before it, on the simulated GPU: section 3's fit of the deeper ResidualMLP."""
-    lesson.update(on_gpu=True, device=torch.device("meta"), mlp_width=64, mlp_depth=4,
+    lesson.update(on_gpu=True, device=torch.device("meta"), mlp_width=64, mlp_depth=8,
                   fits={"ResidualMLP, 8 blocks": (PER_SAMPLE, 0.0)})
     return lesson
 
@@ -135,7 +136,7 @@ def test_the_cap_is_lifted_even_when_the_step_fails_otherwise(lesson, card, monk
 
 
 def test_the_oom_demo_on_a_cpu_uses_the_same_budget_as_an_emulated_card(lesson, capsys):
-    lesson.update(mlp_width=64, mlp_depth=4, fits={"ResidualMLP, 8 blocks": (PER_SAMPLE, 0.0)})
+    lesson.update(mlp_width=64, mlp_depth=8, fits={"ResidualMLP, 8 blocks": (PER_SAMPLE, 0.0)})
     run_cell("oom_model = models.ResidualMLP", lesson)
     out = capsys.readouterr().out
     assert "BudgetExceeded" in out and lesson["card"].budget == lesson["oom_budget"] and "cap" not in out
@@ -175,7 +176,7 @@ H200_SECONDS = {  # the H200's speeds of section 4, and a forward of the blocks 
 
 def test_checkpointings_cost_is_explained_with_the_h200s_speeds(lesson, monkeypatch, capsys):
     monkeypatch.setattr(gpulab, "compare", fake_compare(H200_SECONDS))
-    run_cell("ckpt_width, ckpt_depth =", lesson)
+    run_cell("def forward_checkpointed", lesson)
     capsys.readouterr()
     run_cell("def forward_of_the_blocks", lesson)
     out = capsys.readouterr().out
@@ -199,7 +200,7 @@ def test_checkpointing_that_costs_what_the_textbook_says_is_called_so(lesson, mo
                "1 segment": STEP_S * 4 / 3, "8 segments": STEP_S * 4 / 3,
                **{f"k={k}": STEP_S * 4 / 3 for k in (1, 2, 4, 8)}}
     monkeypatch.setattr(gpulab, "compare", fake_compare(seconds, noisy={"8 segments"}))
-    run_cell("ckpt_width, ckpt_depth =", lesson)
+    run_cell("def forward_checkpointed", lesson)
     capsys.readouterr()
     run_cell("def forward_of_the_blocks", lesson)
     out = capsys.readouterr().out

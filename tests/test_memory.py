@@ -451,11 +451,15 @@ def run_cell(marker: str, scope: dict) -> dict:
 
 
 @pytest.fixture
-def lesson(results_dir):
-    """The lesson's namespace after its imports and section 1's measuring functions, on this CPU."""
+def lesson(results_dir, monkeypatch):
+    """The lesson's namespace after its plan (quick mode), imports and section 1's measuring functions, on this CPU,
+    with section 3's sizes (section 4 reads them)."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
     scope = {"__name__": "__main__", "gpulab": gpulab, "device": torch.device("cpu")}
-    run_cell("import contextlib", scope)
-    return run_cell("def measuring():", scope)
+    for marker in ("plans.lesson(", "import contextlib", "def measuring():"):
+        run_cell(marker, scope)
+    scope.update(mlp_width=scope["plan"].mlp_width, mlp_depth=scope["plan"].mlp_depth)
+    return scope
 
 
 def _overlap(a, b, slack=1.0) -> bool:
@@ -525,8 +529,9 @@ def test_section_1_warms_up_with_every_operator_its_measurement_runs(lesson, cap
         return measuring()
 
     lesson["measuring"] = noted_measuring
+    run_cell("def first_step_phases", lesson)
     with log:
-        run_cell("def first_step_phases", lesson)
+        run_cell("warm_up()  # needed", lesson)
     assert measurement_starts, "section 1 measured nothing"
     warm, measured = set(log.ops[:measurement_starts[0]]), set(log.ops[measurement_starts[0]:])
     assert measured <= warm, f"not warmed up before the measurement: {sorted(measured - warm)}"
@@ -534,7 +539,6 @@ def test_section_1_warms_up_with_every_operator_its_measurement_runs(lesson, cap
 
 def test_snapshot_cell_records_python_stacks_and_draws_the_allocators_timeline(lesson, monkeypatch, capsys):
     calls, snapshot = [], fake_snapshot()
-    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(pickle.dumps(snapshot)))
     lesson.update(on_gpu=True, device=torch.device("cuda", 0), make_step=lambda k: (lambda: None))
@@ -654,7 +658,7 @@ SLOWER = [0.7, 0.72, 0.75, 0.74, 0.71, 0.73, 0.76, 0.7]
 def test_checkpointing_and_remedies_print_only_the_verdicts_their_pairs_support(lesson, monkeypatch, capsys, ratios,
                                                                                  verdict):
     monkeypatch.setattr(gpulab, "compare", _comparisons_of(ratios))
-    run_cell("ckpt_width, ckpt_depth =", lesson)
+    run_cell("def forward_checkpointed", lesson)
     checkpointing = capsys.readouterr().out.splitlines()
     run_cell("def remedy_step", lesson)
     remedies = capsys.readouterr().out.splitlines()
@@ -674,7 +678,7 @@ def test_checkpointing_and_remedies_print_only_the_verdicts_their_pairs_support(
 
 def test_tracker_timeline_phase_names_stand_apart(lesson, monkeypatch, capsys):
     monkeypatch.setattr(gpulab, "compare", _comparisons_of(WITHIN_NOISE))
-    run_cell("ckpt_width, ckpt_depth =", lesson)
+    run_cell("def forward_checkpointed", lesson)
     plt.close("all")
     run_cell("recorder = memory.MemoryTracker(record=True)", lesson)
     assert_labels_clear(plt.gcf().axes[0], inside=False)

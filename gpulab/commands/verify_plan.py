@@ -65,7 +65,8 @@ PLANNED = {
     "03": estimate(1.6, "from its full-mode sizes and H100 rows: ceilings of 2 precisions ~17 s, the sweep ~10 s, 4 "
                    "comparisons ~9 s, whole-card searches ~12 s, 6 convergence runs of 4 s ~31 s, start and figures ~15 s"),
     "04": estimate(1.4, "one ceiling search per precision ~31 s, 4 x 400 training steps ~18 s, comparisons at 1 s"),
-    "05": estimate(1.0, "13 step comparisons at 1 s, 2 fragmentation processes; quick mode alone on the H200 took 37 s"),
+    "05": estimate(1.1, "the lesson's own plan: 1.1 min on an H100 or H200 (13 comparisons of a ~36 ms step, two "
+                   "fragmentation processes; estimates); quick mode alone on the H200 took 37 s"),
     "06": estimate(2.0, "the lesson's own plan: 2.0 min on an H100 or H200, its path's races stopped at a 51 s budget "
                    "(the slow loop at batch 32, its profile and HTA ~20 s, three torch.compile runs; estimates)"),
     "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
