@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     for pair in pairs:
         folder = args.out / pair.name
         folder.mkdir(exist_ok=True)
-        print(f"{pair.name}: {pair.torch} {pair.torchvision} ({pair.why}); installing into {folder / 'venv'} ...",
+        print(f"{pair.name}: {pair.torch} {pair.torchvision}, {pair.why}; installing into {folder / 'venv'} ...",
               flush=True)
         versions = install(pair, folder / "venv", args.python, constraints, folder / "install.log")
         print(f"{pair.name}: torch {versions['torch']}, torchvision {versions['torchvision']}, Python "
