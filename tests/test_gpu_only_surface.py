@@ -123,18 +123,7 @@ SURFACE = (
             ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
             "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "
             "context and other processes; cuBLAS and cuDNN workspaces",
-            "lesson 05 full mode: the OOM demo inside its cap, the remedies' peaks, the fragmentation script's two "
-            "processes in their planned budget beside the lesson's; lesson 03's workspace finding"),
-    GpuOnly("Lesson 05's checkpointing on a GPU: its cut of the step's peak beside foreach Adam's temporaries, and its "
-            "cost the recomputation",
-            ('"checkpointing cuts the step\'s peak"',),
-            "torch/optim/optimizer.py _default_to_fused_or_foreach (foreach for CUDA tensors only) and torch/optim/"
-            "adam.py _multi_tensor_adam (exp_avg_sq_sqrt: a model-sized list of temporaries, 2.6-2.14; the 2026-11-28 "
-            "H200 measured it: 1.04 MiB for quick mode's 1.03 MiB of weights); the stand-in's tensors are the CPU's, for "
-            "which Adam loops: tests/test_lesson05_plan.py measures foreach Adam on the meta device instead, and the "
-            "step's time is the plan's estimate",
-            "lesson 05 full mode: one block at a time at least 40 % lower than no checkpointing; its speed near what "
-            "one more forward of the blocks predicts, the plan's step time within a factor of 2"),
+            "lesson 05 full mode: the OOM demo inside its cap, the remedies' peaks; lesson 03's workspace finding"),
     GpuOnly("The allocator's history and snapshots",
             ("torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.cuda.memory._snapshot"),
             "torch/cuda/memory.py (_record_memory_history, _snapshot, _dump_snapshot): the C++ allocator records "
@@ -182,6 +171,17 @@ SURFACE = (
             "lesson 02 full mode on each card: 'With num_workers=0 it trained ... the GPU waited for its data most of "
             "the time', the data-on-device rate within a factor of 2 of the plan's; on a 2-vCPU T4 the tuned loader "
             "short of that rate and the data set on the device faster than it"),
+    GpuOnly("Lesson 03's sweep past each model's knee, and its searches ending at the card's cap, at the sizes its "
+            "plan chose",
+            ("the sweep goes past", "set_per_process_memory_fraction(plan.cap_gb"),
+            "gpulab/plans/plan03.py predicts a step as a fixed cost plus per-sample work (FLOPs at the card's rate, "
+            "the rest at its bandwidth) read from the H100's shipped rows (gpulab/reference/03_throughput); past "
+            "total_memory × fraction the caching allocator raises its out-of-memory error (torch/cuda/memory.py, "
+            "set_per_process_memory_fraction, 2.6 to 2.14); the stand-in plays the cap as a budget of its tensors, "
+            "without cuDNN's workspaces",
+            "lesson 03 full mode on each card: each model's knee printed below the sweep's largest batch, the steps "
+            "within a factor of 2 of the plan's; the searches' failed trials 'out of memory' at the cap, the batch "
+            "found within a factor of 2 of the plan's fill, and the whole card free again after them"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",

@@ -47,7 +47,8 @@ SEARCHES = 3  # the naive doubling, the one written out, find_max_batch
 FEATURES_IN, N_TRAIN, N_TEST, STUDENT_WIDTH = 256, 500_000, 4_096, 1024
 CONVERGENCE_BATCHES, BASE_LR, EVALS = [64, 256, 1024, 4096, 16384], 0.016, 8
 MIN_UPDATES = 100  # the largest batch's run makes at least this many updates: its loss says something
-SECONDS = 4.0  # each convergence run's training seconds, more where the largest batch needs them for its updates
+SECONDS, MAX_SECONDS = 4.0, 10.0  # each convergence run's training seconds: more where the largest batch needs them
+# for its updates, up to the most the lesson's minutes allow six runs
 START_S = 10.0  # imports, device facts (estimate)
 CEILING_S = 9.0  # flops.ceiling's search, per precision (as lesson 04's plan)
 TRACKED = 3.0  # a step counted by a MemoryTracker (a dispatch mode, Python per operator) over the step (estimate)
@@ -61,14 +62,14 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
     cnn, mlp = Step.of(card, "SmallCNN"), Step.of(card, "WideMLP")
     top = 2 ** math.ceil(math.log2(PAST_KNEE * max(cnn.knee, mlp.knee)))
     fits = [b for b in powers(FIRST_BATCH, top) if all(m.memory_gb(b) <= card.usable_gb() and m.seconds(b) <= STEP_S
-                                                     for m in (cnn, mlp))]
+                                                     for m in (cnn, mlp))] or [FIRST_BATCH]
     effective = 2 ** math.ceil(math.log2(2 * cnn.knee))  # k = 2 at the knee or above it, k = 8 below it
     cap_gb = min(card.usable_gb(), cnn.memory_gb(cnn.batch_within(TRIAL_S)))
     fill = cnn.batch_within_gb(cap_gb)
     student = Step.student(card)
-    seconds = max(SECONDS, math.ceil(1.2 * MIN_UPDATES * student.seconds(CONVERGENCE_BATCHES[-1])))
+    seconds = min(MAX_SECONDS, max(SECONDS, math.ceil(1.2 * MIN_UPDATES * student.seconds(CONVERGENCE_BATCHES[-1]))))
     sizes = dict(cnn_width=CNN_WIDTH, mlp_width=MLP_WIDTH, batch_sizes=fits, repeats=None, warmup=3,
-                 compare_min_time=1.0, compare_pairs=None, budget_mib=None, cap_gb=round(cap_gb, 1),
+                 compare_min_time=1.0, compare_pairs=None, budget_mib=64, cap_gb=math.floor(10 * cap_gb) / 10,
                  search_max_batch=2 ** math.ceil(math.log2(2 * fill)), granularity=64, effective_batch=effective,
                  accumulation_steps=ACCUMULATION_STEPS, input_features=FEATURES_IN, n_train=N_TRAIN, n_test=N_TEST,
                  student_width=STUDENT_WIDTH, train_seconds=seconds, convergence_batches=CONVERGENCE_BATCHES,
@@ -78,11 +79,14 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
                           "memory",
            "cap_gb": f"the searches' cap on this card's memory (set_per_process_memory_fraction): at most the "
                      f"{card.usable_gb():.0f} GB a plan may fill, and a trial at the largest batch within {TRIAL_S:g} s",
+           "budget_mib": "without a GPU to cap: an emulated card of the step's tensors (a CPU has no out-of-memory "
+                         "error to catch)",
            "search_max_batch": f"twice the batch that fills the cap (about {fill:,}, predicted)",
            "effective_batch": "2 micro-batches at the CNN's knee or above it, 8 below it",
-           "train_seconds": f"the largest batch makes at least {MIN_UPDATES} updates in them"}
+           "train_seconds": f"the largest batch makes at least {MIN_UPDATES} updates in them (at most "
+                            f"{MAX_SECONDS:g})"}
     parts = parts_of(card, sizes, cnn, mlp, student, fill)
-    memory = max(cnn.memory_gb(fits[-1]), mlp.memory_gb(fits[-1]), cap_gb, cnn.memory_gb(effective),
+    memory = max(cnn.memory_gb(fits[-1]), mlp.memory_gb(fits[-1]), sizes["cap_gb"], cnn.memory_gb(effective),
                  (N_TRAIN + N_TEST) * FEATURES_IN * 4 / 1e9)
     return LessonPlan("03", TITLE, card, False, sizes, why, parts, memory,
                       regimes(card, sizes, cnn, mlp, student, fill), target_minutes(card), FEATURES)
