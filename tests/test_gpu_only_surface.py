@@ -123,7 +123,18 @@ SURFACE = (
             ("memory_reserved", "mem_get_info", "WorkspaceMeter"),
             "c10/cuda/CUDACachingAllocator.cpp (segments, caching, empty_cache); cudaMemGetInfo counts the CUDA "
             "context and other processes; cuBLAS and cuDNN workspaces",
-            "lesson 05 full mode: the OOM demo inside its cap, the remedies' peaks; lesson 03's workspace finding"),
+            "lesson 05 full mode: the OOM demo inside its cap, the remedies' peaks, the fragmentation script's two "
+            "processes in their planned budget beside the lesson's; lesson 03's workspace finding"),
+    GpuOnly("Lesson 05's checkpointing on a GPU: its cut of the step's peak beside foreach Adam's temporaries, and its "
+            "cost the recomputation",
+            ('"checkpointing cuts the step\'s peak"',),
+            "torch/optim/optimizer.py _default_to_fused_or_foreach (foreach for CUDA tensors only) and torch/optim/"
+            "adam.py _multi_tensor_adam (exp_avg_sq_sqrt: a model-sized list of temporaries, 2.6-2.14; the 2026-11-28 "
+            "H200 measured it: 1.04 MiB for quick mode's 1.03 MiB of weights); the stand-in's tensors are the CPU's, for "
+            "which Adam loops: tests/test_lesson05_plan.py measures foreach Adam on the meta device instead, and the "
+            "step's time is the plan's estimate",
+            "lesson 05 full mode: one block at a time at least 40 % lower than no checkpointing; its speed near what "
+            "one more forward of the blocks predicts, the plan's step time within a factor of 2"),
     GpuOnly("The allocator's history and snapshots",
             ("torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot", "torch.cuda.memory._snapshot"),
             "torch/cuda/memory.py (_record_memory_history, _snapshot, _dump_snapshot): the C++ allocator records "
