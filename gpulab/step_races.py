@@ -7,7 +7,9 @@ apart, step by step (the **loss gap**: both sides see the same batches, so the l
 configuration's arithmetic). ``Meter`` gives a configuration's MFU over the dense peak of the precision it runs in,
 "of achievable" over that precision's measured ceiling, HFU from what its kernels run, and its model FLOP/s over one
 reference peak for a path that changes precision. ``Waterfall`` is ``racing.Path`` with those rows: kept when faster
-beyond the noise and training the same, each row logged as its verdict is given, then shown as a table and figures.
+beyond the noise and training the same, each row logged as its verdict is given, then shown as a table and figures;
+within ``Limits`` (a ``racing.Budget`` for its races and the head-to-head, each race planned before it starts from the
+step times measured so far; and the card's memory, against each configuration's predicted need).
 
 The training step itself is the lesson's: ``run_steps(options)``, a generator that trains a fresh model with those
 options and yields ``(model, loss)`` after each optimizer step. This module only times, compares and records.
@@ -21,7 +23,7 @@ import statistics
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -31,6 +33,7 @@ from . import flops, plots, racing, text
 from .comparison import Comparison, compare
 from .device import device_info, get_device, on_gpu
 from .memory import peak_bytes
+from .plans import plan10
 from .results import ResultLog
 
 GAP_NATS, GAP_SHARE = 0.05, 0.02  # a candidate trains the same when its loss gap is within 0.05 nats or 2 %
@@ -186,18 +189,45 @@ class Meter:
 TOF32_HINT = "TensorFloat32 tensor cores"  # Inductor's hint at compiling fp32 matmuls with TF32 off
 
 
+@dataclass
+class Limits:
+    """What a waterfall may spend on this card: the seconds of its races and its head-to-head (``budget``, spent only
+    while they run), and the device memory a race may hold (``usable_gb``, against ``race_gb(options)``: a race's need
+    predicted from a whole configuration); a compile's start-up, first and later in the kernel (``compile_s``,
+    ``compile_again_s``), to plan each race before it starts."""
+
+    budget: racing.Budget = field(default_factory=lambda: racing.Budget().pause())
+    usable_gb: float = math.inf
+    race_gb: Callable[[dict], float] | None = None
+    compile_s: float = 0.0
+    compile_again_s: float = 0.0
+
+    @classmethod
+    def of(cls, plan, base: dict) -> "Limits":
+        """Lesson 10's ``plan``: its budget (paused until a race runs), the card's usable memory against
+        ``plan10.race_gb`` of each configuration (``base``: the step's defaults, its micro-batch among them), the
+        compile times it planned with."""
+        return cls(racing.Budget(plan.budget_s).pause(), plan.usable_gb,
+                   lambda options: plan10.race_gb(plan.gpt, {**base, **options}), plan.compile_s, plan.compile_again_s)
+
+
 class Waterfall:
     """The keep-or-drop path of a training step (``racing.Path``): each step raced against the configuration kept so
     far by ``run(current, candidate)`` (a ``Race``), kept when faster beyond the noise and training the same
     (``judge``). Each row has the step's tokens/s, its precision and that precision's dense peak, MFU, "of
     achievable", HFU, MFU against the meter's reference, the MiB a step allocates, its last training loss, its loss
     gap and its start-up; rows are logged to ``log`` as each verdict is given (the first race also gives the starting
-    configuration's row), with the state of the machine over their race."""
+    configuration's row), with the state of the machine over their race. Within ``limits``: a step whose race would
+    not fit the card's memory, or whose race and the head-to-head after it would not end within what is left of the
+    budget (``pairs`` interleaved pairs, planned at the kept configuration's measured step), is not raced, and its row
+    says why. The first race always runs: it measures the starting configuration."""
 
     def __init__(self, run: Callable[[tuple, tuple], Race], meter: Meter, *, tokens_per_step: int, log: str,
-                 start: tuple = ("naive fp32", {}), device=None):
+                 start: tuple = ("naive fp32", {}), device=None, limits: Limits | None = None, pairs: int = 5):
         self.meter, self.tokens_per_step, self.start, self.device = meter, tokens_per_step, start, get_device(device)
-        self._run, self.log = run, ResultLog(log)
+        self._run, self.log, self.limits, self.pairs = run, ResultLog(log), limits or Limits(), pairs
+        self.step_s: dict[str, float] = {}  # a configuration's median step as measured so far, by its options
+        self.compiled = False  # whether a race of this waterfall has compiled the model yet
         self.path = racing.Path(self._race, judge=judge, row=self._measured, current=start, log=self._logged)
 
     @property
@@ -210,7 +240,47 @@ class Waterfall:
         return self.path.results
 
     def step(self, name: str, options: dict, not_here: str | None = None) -> dict:
-        return self.path.step(name, options, not_here)
+        with self.limits.budget.spending():
+            refused = None if not_here else self.refused(name, options)
+            if refused:
+                print(f"{name}: {refused}")
+            return self.path.step(name, options, not_here or refused)
+
+    def planned_s(self, kept: dict, candidate: dict) -> float:
+        """A race's seconds before it starts: both sides at the kept configuration's measured step (the candidate is
+        meant to be faster), and the compiles it starts with (``plan10.startup_s``)."""
+        step = self.step_s[repr(kept)]
+        return plan10.race_s(step, step, self.pairs) + plan10.startup_s(
+            kept, candidate, self.compiled, self.limits.compile_s, self.limits.compile_again_s)
+
+    def refused(self, name: str, options: dict) -> str | None:
+        """Why the step ``name`` is not raced now (None: it fits the card's memory and the budget, and says so)."""
+        candidate = {**(self.current[1] or {}), **options}
+        if self.limits.race_gb is not None:
+            need = self.limits.race_gb(candidate)
+            if need > self.limits.usable_gb:
+                return (f"not raced: two runs of it need about {need:.1f} GB (predicted), more than the "
+                        f"{self.limits.usable_gb:.1f} GB this card's plan fills")
+        if not self.races:
+            return None
+        seconds = self.planned_s(self.current[1], candidate)
+        naive, kept = self.step_s[repr(self.start[1])], self.step_s[repr(self.current[1])]
+        final = plan10.race_s(naive, kept, self.pairs) + plan10.startup_s(
+            self.start[1], candidate, True, self.limits.compile_s, self.limits.compile_again_s)
+        left = self.limits.budget.left()
+        if seconds + final > left:
+            return (f"not raced: planned {seconds:.0f} s, and {final:.0f} s for the head-to-head after it; "
+                    f"{max(left, 0):.0f} s of the lesson's budget left")
+        print(f"racing {name}: planned {seconds:.0f} s" + ("" if math.isinf(left) else f", {left:.0f} s left"))
+        return None
+
+    def race_ends(self) -> Race:
+        """The starting configuration raced against the one kept, directly, within the budget (the steps before kept
+        its seconds for it); both runs' ``steps`` kept, to go on training them."""
+        name, options = self.current
+        with self.limits.budget.spending(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TOF32_HINT)  # answered where the compile step raced
+            return self._run(self.start, (f"{name} (final)", options))
 
     def _race(self, current: tuple, candidate: tuple) -> Race:
         if candidate[1].get("compile") and self.meter.precision(candidate[1]) == "fp32" and device_info(self.device).tf32:
@@ -219,6 +289,9 @@ class Waterfall:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=TOF32_HINT)  # the hint, answered above
             result = self._run(current, candidate)
+        self.step_s[repr(current[1])] = statistics.median(result.comparison.baseline_times)
+        self.step_s[repr(candidate[1])] = statistics.median(result.comparison.candidate_times)
+        self.compiled = self.compiled or bool(current[1].get("compile") or candidate[1].get("compile"))
         result.steps = ()  # the two runs are judged: their models go (eight races would keep sixteen models)
         gc.collect()
         return result

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from gpulab import text
+from gpulab import plans, text
 
 from . import test_lesson10_gpu_path as gpu_path
 from .test_lesson10_gpu_path import define, run
+from .test_plans import CARDS
 
 lesson, waterfall = gpu_path.lesson, gpu_path.waterfall  # the lesson's fixtures, by name in the tests below
 
@@ -154,14 +155,14 @@ def test_the_gradients_and_the_training_are_bit_for_bit_those_of_set_to_none(wat
 
 
 def reachable_batches(waterfall) -> set:
-    """Every (micro-batch, accumulation steps) the CUDA graphs step can be raced with, in full and in quick mode: the
-    lesson's STEPS and STEP_BASE in that mode, walked over every subset of the steps before it that a run can keep."""
+    """Every (micro-batch, accumulation steps) the CUDA graphs step can be raced with: the lesson's STEPS and
+    STEP_BASE as each card's plan (the six cards learners bring, in full mode) and quick mode size them, walked over
+    every subset of the steps before it that a run can keep."""
     found = set()
-    for quick in (False, True):
-        scope = {name: waterfall[name] for name in ("cfg", "on_gpu", "info", "amp_dtype")}
-        scope.update(by_mode=lambda full, quick, mode=quick: quick if mode else full,
-                     quick_mode=lambda mode=quick: mode, per_token=1.0)
-        define(scope, "import itertools", "WATERFALL")
+    cards = [plans.Card.named(name) for name in CARDS]
+    for plan in [plans.plan_for("10", card) for card in cards] + [plans.plan_for("10", cards[0], quick=True)]:
+        scope = {name: waterfall[name] for name in ("cfg", "info", "amp_dtype")}
+        scope.update(on_gpu=True, quick_mode=lambda quick=plan.quick: quick, per_token=1.0, WATERFALL=plan.waterfall)
         define(scope, "def run_steps", "STEP_BASE")
         define(scope, "cpu_quick = ", "cpu_quick", "larger", "STEPS")
         steps = [options for _, options, _ in scope["STEPS"]]
@@ -176,11 +177,12 @@ def reachable_batches(waterfall) -> set:
 
 def test_with_cuda_graphs_output_reuse_every_batch_the_path_can_reach_trains_as_the_eager_step(waterfall, replayed):
     """The waterfall walked over every subset of kept steps before "CUDA graphs": its micro-batch and accumulation
-    are STEP_BASE's or the larger micro-batch's, in full mode (4 × 8, 16 × 2: the H200's crash) and in quick mode
-    (1 × 4; 4 × 1, which hid the crash on 2026-11-27). Each, with every earlier switch on, trains with reduce-overhead's
-    output reuse exactly as the eager step; before the fix only 4 × 1 did."""
+    are STEP_BASE's or the larger micro-batch's, as each card's plan sizes them (an H100's and an H200's 4 × 8, 16 × 2:
+    the H200's crash; a T4's 2 × 8, 8 × 2) and in quick mode (1 × 4; 4 × 1, which hid the crash on 2026-11-27). Each,
+    with every earlier switch on, trains with reduce-overhead's output reuse exactly as the eager step; before the fix
+    only 4 × 1 did."""
     batches = reachable_batches(waterfall)
-    assert batches == {(4, 8), (16, 2), (1, 4), (4, 1)}
+    assert {(4, 8), (16, 2), (2, 8), (8, 2), (1, 4), (4, 1)} <= batches, batches
     every_switch = {"amp": True, "attention": "sdpa", "padded_vocab": 320, "fused": True}
     differs = []
     for micro, accum in batches:
@@ -214,7 +216,7 @@ def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tens
              "display": lambda *args: None}
     before = torch.get_float32_matmul_precision()
     try:
-        run(scope, "import itertools")
+        run(scope, 'plans.lesson("10")', "import itertools")
         scope["train_tokens"], _ = text.split(text.python_source(max_bytes=200_000))
         scope.update(cfg=scope["GPTConfig"](**scope["SIZE"]), per_token=1.0)
         run(scope, "def run_steps")
@@ -233,3 +235,27 @@ def test_on_a_gpu_reduce_overhead_adds_every_micro_batch_into_the_same_grad_tens
     finally:
         torch.set_float32_matmul_precision(before)
         torch._dynamo.reset()
+
+
+def test_a_t4s_fp16_step_scales_its_loss_and_trains_with_cuda_graphs_output_reuse_as_the_eager_step(
+        waterfall, replayed, monkeypatch):
+    """A T4 has no native bf16: autocast runs fp16 and a GradScaler scales the loss, unscales the gradients in the
+    kept .grad buffers and steps (torch/amp/grad_scaler.py). At the T4's planned batches, with every earlier switch on,
+    the CUDA graphs step with reduce-overhead's output reuse trains as the eager step, the scaler enabled in both."""
+    scalers = []
+
+    class Recorded(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scalers.append(self)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Recorded)
+    waterfall["amp_dtype"] = torch.float16
+    w = plans.plan_for("10", plans.Card.named("Tesla T4")).waterfall
+    for micro, accum in ((w["micro"], w["accum"]), (4 * w["micro"], w["accum"] // 4)):
+        options = {"amp": True, "attention": "sdpa", "padded_vocab": 320, "fused": True, "micro": micro, "accum": accum}
+        eager_model, eager = trained(waterfall, options, steps=2)
+        graphs_model, graphs = trained(waterfall, {**options, "compile": "reduce-overhead"}, steps=2)
+        assert torch.equal(eager, graphs) and torch.isfinite(eager).all(), (micro, accum)
+        assert all(torch.equal(p, q) for p, q in zip(eager_model.parameters(), graphs_model.parameters(), strict=True))
+    assert len(scalers) == 4 and all(s.is_enabled() and s.get_scale() > 1 for s in scalers)

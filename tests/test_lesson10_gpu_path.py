@@ -33,7 +33,7 @@ DATA = ROOT / "tests" / "data" / "lesson09"  # the 2026-11-28 H200 run of lesson
 H100 = "NVIDIA H100 80GB HBM3"
 # Measured-looking ceilings (below the H100 SXM's dense peaks, as a card's steady best is), far apart per precision.
 CEILINGS = {"fp32": 51.0, "tf32": 370.0, "fp16": 700.0, "bf16": 720.0}
-HEAD_TO_HEAD, BREAK_EVEN = "final = step_races.race(", '"torch.compile" in waterfall.races'
+HEAD_TO_HEAD, BREAK_EVEN = "final = waterfall.race_ends()", '"torch.compile" in waterfall.races'
 
 
 def h100_ceilings(precisions=CEILINGS) -> dict:
@@ -47,7 +47,7 @@ def lesson(monkeypatch, results_dir):
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     before = torch.get_float32_matmul_precision()
     scope = {"__name__": "__main__", "device": torch.device("cpu"), "gpulab": gpulab}
-    run(scope, "import itertools")
+    run(scope, 'plans.lesson("10")', "import itertools")
     scope["displayed"] = []
     scope["display"] = scope["displayed"].append
     yield scope

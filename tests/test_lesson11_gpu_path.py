@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gpulab
+from gpulab import plans
 
 from .lesson_cells import Cells
 
@@ -28,7 +29,7 @@ def lesson(monkeypatch, results_dir):
     monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     before = torch.get_float32_matmul_precision()
     scope = {"__name__": "__main__", "device": torch.device("cpu"), "gpulab": gpulab}
-    run(scope, "import inspect")
+    run(scope, 'plans.lesson("11")', "import inspect")
     scope["displayed"] = []
     scope["display"] = scope["displayed"].append
     yield scope
@@ -39,9 +40,11 @@ def lesson(monkeypatch, results_dir):
 
 @pytest.fixture
 def with_fp8(lesson):
-    """The lesson sees a GPU of compute capability 9.0 (FP8) while its work runs on this CPU."""
+    """The lesson sees a GPU of compute capability 9.0 (FP8), and its plan an H100's in quick mode, while its work runs
+    on this CPU."""
     info = dataclasses.replace(lesson["info"], compute_capability=(9, 0), bf16_native=True)
-    lesson.update(on_gpu=True, info=info, capability=(9, 0))
+    lesson.update(on_gpu=True, info=info, capability=(9, 0),
+                  plan=plans.plan_for("11", plans.Card.named("NVIDIA H100 80GB HBM3"), quick=True))
     return lesson
 
 
