@@ -78,7 +78,7 @@ def test_a_part_that_failed_or_was_stopped_keeps_its_planned_minutes_and_may_run
     assert stopped.source().endswith("its last run on NVIDIA H200 (2026-11-28) timed out after 6.0 min and measured "
                                      "nothing")
     failed = planning.expected("10", "10_gpt_made_fast", H200, h200)
-    assert failed.minutes == PLANNED["10"].minutes and failed.ran == 2.1 and failed.stop_s() == 276  # twice 2.3 min
+    assert failed.minutes == PLANNED["10"].minutes and failed.ran == 2.1 and failed.stop_s() == 360  # twice 3.0 min
     assert "failed after 2.1 min" in failed.source()
     assert planning.expected("09", "09_mfu_and_attention", H200, h200) == PLANNED["09"]
     assert planning.expected("08", "08_capstone", H100, h200) == PLANNED["08"]  # another GPU class's run
@@ -140,14 +140,14 @@ def test_what_failed_or_timed_out_last_time_on_this_gpu_class_comes_first(refere
 def test_make_verify_gpu_plan_on_the_h200_starts_with_what_broke_there_on_2026_11_28(reference, monkeypatch, capsys):
     _h200_rows().to_csv(reference / f"{planning.VERIFY_NAME}.csv", index=False)  # as shipped
     monkeypatch.chdir(ROOT)
-    assert verify.main(["verify", "--dry-run", "--budget-min", "9", "--gpu", H200]) == 0
+    assert verify.main(["verify", "--dry-run", "--budget-min", "10", "--gpu", H200]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()[2:15]]
     assert [row[0] for row in rows[:4]] == ["smoke", "08", "10", "00"]
-    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; then 10, the failed waterfall (2.3 min
-    # of the 3.4 left, less the 0.75 kept for the end), stopped at twice its minutes
+    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; then 10, the failed waterfall (3.0 min
+    # of the 4.4 left, less the 0.75 kept for the end), stopped at twice its minutes
     assert rows[1][1:6] == ["3.0", "8.0", "runs,", "ends", "by"] and rows[1][6] == "5.6"
-    assert rows[2][1:7] == ["2.3", "4.6", "runs,", "ends", "by", "7.9"]
+    assert rows[2][1:7] == ["3.0", "6.0", "runs,", "ends", "by", "8.6"]
     assert "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)" in out
     assert "failed last time on NVIDIA H200 (2026-11-28, as 09_transformers: code cell 19: RuntimeError" in out
     assert "the kernel died" not in out  # the 08 row's detail, as the run wrote it, is not repeated

@@ -74,13 +74,15 @@ PLANNED = {
                    "stops the noise seeds and the races, the naive job raced once at the 2026-11-28 "
                    "H200's ~3,250 images/s of per-sample pipeline, each step followed by the network's, the fast "
                    "rates and the compile estimated; ~45 s for the rest)"),
-    "09": estimate(1.2, "lesson 09 before the split was planned at 3.0 (about 2.7 min on one H100); its sections 1-3: "
-                   "3 ceilings ~25 s, a 60-step first run ~10 s, the attention sweep (5 lengths, 6 ways) ~15 s, start "
-                   "and figures ~20 s"),
-    "10": estimate(2.3, "lesson 09's sections 4 and 5 before the split: 3 ceilings ~25 s, 8 waterfall races of 5 pairs and the "
-                   "head-to-head (two compiles) ~75 s, busy profiles and the graph-break race ~20 s, start ~15 s"),
-    "11": estimate(1.0, "lesson 09's sections 6 and 7 before the split: 5 x 3 forward passes, one ceiling ~8 s, the "
-                   "checkpointing race, FP8's crossover (5 sizes) and its GPT race (two compiles) where the card has FP8"),
+    "09": estimate(1.2, "the lesson's own plan: 1.2 min on an H100, 1.1 on an H200 (three ceilings ~27 s, the first run "
+                   "of 60 steps of 8 x 1024 tokens in fp32 ~8 s, the attention sweep to T = 8192 ~5 s, start, FLOP "
+                   "counts and figures ~25 s; estimates)"),
+    "10": estimate(3.0, "the lesson's own plan: 3.0 min on an H100 or H200, its races and head-to-head stopped at a "
+                   "107 s budget (planned at ~65 s: 8 races of 5 pairs at micro-batch 4 x 8 and a first compile ~20 s; "
+                   "three ceilings ~27 s, the rest ~45 s; estimates)"),
+    "11": estimate(1.3, "the lesson's own plan: 1.3 min on an H100 or H200 (one ceiling ~9 s, checkpointing raced at 32 "
+                   "sequences ~5 s, FP8's crossover to n = 32768 ~15 s, the GPT's fp8 race with two compiles ~29 s "
+                   "where torchao is installed; estimates)"),
     "bench": estimate(0.5, "gpulab bench"),
 }
 # What each lesson's full mode is sized to: the whole course in about 15 minutes on one H100 (the waterfalls, 08 and
