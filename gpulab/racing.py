@@ -8,7 +8,7 @@ only) beside its steady samples per second. The first round is start-up (cuDNN's
 
 ``Path`` is the loop of a waterfall: each step races the configuration kept so far and is kept when it is faster
 beyond the noise and keeps the job's quality (``SameJob``: lesson 08's judge, losses for a step that changes no
-arithmetic and accuracy against the seeds' spread for one that does; lesson 09 compares training losses); a step
+arithmetic and accuracy against the seeds' spread for one that does; lesson 10 compares training losses); a step
 dropped for its speed is tried once more at the end when a later step was kept (a change can pay only once another
 bottleneck is gone), unless a later kept step has set the same switch (retrying it would undo that step). ``Budget``
 plans each race's seconds before it starts and refuses one that would not end in the time left.
@@ -296,7 +296,7 @@ def planned_seconds(images: Sequence[int], rates: Sequence[float], startup_s: fl
 
 @dataclass
 class Path:
-    """The keep-or-drop loop of an optimisation waterfall (lessons 08 and 09).
+    """The keep-or-drop loop of an optimisation waterfall (lessons 06, 08 and 10).
 
     ``run(current, candidate)`` races two configurations, ``(name, options)`` each; the result has a ``comparison``
     (the candidate's speed-up). ``judge(result)`` says whether the candidate kept the job's quality: None when it
