@@ -201,7 +201,7 @@ SURFACE = (
             "on meta; its memory from lesson 11's activation predictor; the stand-in times no GPU",
             "lessons 09 and 10 full mode: the first run's and the waterfall's measured steps within a factor of 2 of "
             "the plan's; every step of 10 raced within plan.budget_s or refused in one line; on a T4 (none lent so "
-            "far) fp16 autocast with its GradScaler, SDPA memory-efficient, the CUDA graphs step accumulating 8 "
+            "far) fp16 autocast with its GradScaler, SDPA memory-efficient, the CUDA graphs step accumulating its "
             "micro-batches, MFU over the dense fp16 peak"),
     GpuOnly("Lesson 11's FP8 crossover where the card has FP8",
             ('"FP8 beats bf16 within the crossover\'s sizes"',),
