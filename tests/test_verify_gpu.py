@@ -15,7 +15,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from gpulab import monitor, results
+from gpulab import monitor, plans, results
 from gpulab.commands import record, verify, verify_jobs, verify_out
 from gpulab.commands import verify_plan as planning
 from gpulab.commands.verify_jobs import Outcome
@@ -456,6 +456,7 @@ def test_no_lesson_takes_the_whole_card_in_quick_mode():
     def source(name):
         return "".join(c.source for c in nbformat.read(ROOT / "notebooks" / name, as_version=4).cells)
 
-    assert re.search(r"budget = None if on_gpu and not gpulab\.quick_mode\(\) else", source("03_batching.ipynb"))
+    assert re.search(r"budget = None if on_gpu and plan\.cap_gb else", source("03_batching.ipynb"))
+    assert not plans.plan_for("03", plans.Card.named("NVIDIA H200"), quick=True).cap_gb  # no cap: a budget
     assert "torch.cuda.set_per_process_memory_fraction(" in source("05_memory.ipynb")
     assert planning.WHOLE_CARD_QUICK == ()
