@@ -7,12 +7,8 @@ import psutil
 import pytest
 
 from gpulab import distributed
-from gpulab.comparison import Comparison
 from gpulab.distributed import (
     BUS_FACTORS,
-    CPU_WORK,
-    GPU_WORK,
-    QUICK_WORK,
     TOPOLOGIES,
     BadResult,
     LaunchFailed,
@@ -26,7 +22,6 @@ from gpulab.distributed import (
     ring_allreduce_seconds,
     scaling_table,
     torchrun,
-    work_size,
 )
 
 ALL_REDUCE = """
@@ -221,28 +216,6 @@ def test_the_largest_run_uses_every_gpu(gpus, counts):
     assert rank_counts(gpus) == counts
     if gpus >= 2:
         assert max(rank_counts(gpus)) == gpus  # DataParallel on every GPU meets DDP on as many
-
-
-def test_gloo_ranks_get_cpu_sized_work_even_in_full_mode(monkeypatch):
-    monkeypatch.setenv("GPULAB_QUICK", "0")  # full mode, as on a one-GPU Colab T4
-    assert work_size("cpu") == CPU_WORK and work_size("cuda") == GPU_WORK and work_size("cuda:1") == GPU_WORK
-    assert CPU_WORK.width < GPU_WORK.width and CPU_WORK.batch < GPU_WORK.batch and CPU_WORK.max_bytes < GPU_WORK.max_bytes
-    monkeypatch.setenv("GPULAB_QUICK", "1")
-    assert work_size("cuda") == QUICK_WORK and work_size("cpu") == QUICK_WORK
-    with pytest.raises(ValueError, match="'cpu'"):
-        work_size("tpu")
-
-
-def test_quick_mode_times_the_cpus_sizes_in_the_fewest_pairs_that_can_still_give_a_verdict():
-    """Quick mode (CI's 2-core CPU) trains the same model on the same batch as a full CPU run, in fewer, shorter
-    blocks; its rounds are the pairs of every comparison, and a 90 % interval needs at least 5 of them."""
-    assert (QUICK_WORK.width, QUICK_WORK.batch, QUICK_WORK.max_bytes) == (CPU_WORK.width, CPU_WORK.batch,
-                                                                          CPU_WORK.max_bytes)
-    assert QUICK_WORK.rounds * QUICK_WORK.calls < CPU_WORK.rounds * CPU_WORK.calls
-    pairs = QUICK_WORK.rounds
-    faster = Comparison.of([2.0] * pairs, [1.0] * pairs)
-    assert faster.achieved_confidence >= 0.9 and faster.verdict == "faster"
-    assert Comparison.of([2.0] * (pairs - 1), [1.0] * (pairs - 1)).verdict == "within noise"  # one pair fewer: none
 
 
 def test_interleaved_alternates_the_order_and_pairs_blocks_that_saw_the_same_load():

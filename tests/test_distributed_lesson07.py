@@ -1,6 +1,7 @@
-"""Lesson 07's cells and scripts on machines this one is not: its GPU paths run here with torch's GPU count and
-launcher faked (a one-GPU machine in full mode, three GPUs, a node of a two-node job), so that what they would do
-there is checked on a CPU. What only a GPU can show is marked ``gpu`` and skipped here with the reason."""
+"""Lesson 07's cells and scripts on machines this one is not: its GPU paths run here with torch's GPU count, the
+lesson's plan and the launcher faked (a one-GPU machine in full mode, three GPUs, a node of a two-node job), so that
+what they would do there is checked on a CPU. What only a GPU can show is marked ``gpu`` and skipped here with the
+reason."""
 
 import textwrap
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpulab import distributed
+import gpulab
+from gpulab import distributed, plans
+from gpulab.plans import plan07
 
 from .conftest import ROOT
 
@@ -28,15 +31,22 @@ def cell(cell_id: str) -> str:
 
 SETUP, HELLO, COLLECTIVES, DDP_LAUNCH, DATA_PARALLEL, FSDP_SCRIPT, FSDP_LAUNCH = (
     "2d23945e", "9c7d0527", "5fc35b8f", "25f8ea10", "6c156b9b", "3e9dda2f", "fea3e6c6")
+COLLECTIVES_SCRIPT, DDP_SCRIPT, TUNING_SCRIPT, TUNING_LAUNCH = "0f7b1d52", "71a2b8b5", "c4d7e9b1", "e5a0c3d8"
+
+
+def lesson_plan(gpus: int, *, full: bool = False, card: str = "NVIDIA H100 80GB HBM3") -> plans.LessonPlan:
+    """Lesson 07's plan on a machine with ``gpus`` GPUs of ``card`` (none: the CPU's quick plan)."""
+    planned = plans.Card.named(card, gpus=gpus) if gpus else plans.Card("CPU", None, 2, 0)
+    return plans.plan_for("07", planned, quick=not full)
 
 
 @pytest.fixture
 def machine(monkeypatch, results_dir):
-    """Run the setup cell as if torch saw ``gpus`` GPUs; returns the cell's variables."""
-    def setup(gpus: int, *, full: bool = False) -> dict:
+    """Run the setup cell as if torch saw ``gpus`` GPUs, with their plan; returns the cell's variables."""
+    def setup(gpus: int, *, full: bool = False, card: str = "NVIDIA H100 80GB HBM3") -> dict:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        monkeypatch.setenv("GPULAB_QUICK", "0" if full else "1")
-        scope = {"__name__": "__main__"}
+        scope = {"__name__": "__main__", "plan": lesson_plan(gpus, full=full, card=card), "gpulab": gpulab,
+                 "device": torch.device("cpu")}  # the course's device: a GPU where the CUDA stand-in plays one
         exec(cell(SETUP), scope)
         return scope
     return setup
@@ -55,13 +65,12 @@ def launches(scope: dict, cell_id: str, stop_after: int = 99) -> list[dict]:
             raise Stop
 
     def fake_torchrun(script, *args, nproc=2, **kwargs):
-        calls.append({"script": script.name, "args": [str(a) for a in args], "nproc": nproc})
+        calls.append({"script": script.name, "args": [str(a) for a in args], "nproc": nproc, **kwargs})
         if len(calls) >= stop_after:
             raise Stop
         return FakeRun()
 
-    scope["distributed"] = type("FakeDistributed", (), {"torchrun": staticmethod(fake_torchrun),
-                                                         "work_size": staticmethod(distributed.work_size)})
+    scope["distributed"] = type("FakeDistributed", (), {"torchrun": staticmethod(fake_torchrun)})
     try:
         exec(cell(cell_id), scope)
     except Stop:
@@ -75,64 +84,74 @@ def argument(call: dict, name: str) -> str:
     return call["args"][call["args"].index(name) + 1]
 
 
-# ----- sizes by backend: a one-GPU machine in full mode ------------------------------------------------------
+# ----- sizes by backend: the plan's, for gloo ranks on the CPU and for GPUs --------------------------------------
 
-def test_on_one_gpu_in_full_mode_the_gloo_runs_get_cpu_sized_work(machine):
-    scope = machine(1, full=True)  # a Colab T4: one GPU, full mode, the multi-rank runs are gloo on the CPU
-    assert scope["backend_device"] == "cpu" and scope["ranks"] == [1, 2]
-    assert scope["size"] == distributed.CPU_WORK
+def test_on_one_gpu_in_full_mode_the_gloo_runs_get_cpu_sized_work(machine, cuda_stand_in):
+    scope = machine(1, full=True, card="Tesla T4")  # Colab: one GPU, full mode, the multi-rank runs gloo on the CPU
+    assert scope["backend_device"] == "cpu" and scope["ranks"] == [1, 2] and scope["size"] == plan07.GLOO_WORK
+    assert scope["launch"]["env"] == {"OMP_NUM_THREADS": "1"} and scope["launch"]["time_limit"] == scope["plan"].time_limit
     gloo, nccl = launches(scope, DDP_LAUNCH, stop_after=2)
     assert argument(gloo, "--device") == "cpu" and gloo["nproc"] == 2
-    assert int(argument(gloo, "--width")) == distributed.CPU_WORK.width
-    assert int(argument(gloo, "--batch")) == distributed.CPU_WORK.batch
-    # the one-rank NCCL run on the GPU itself keeps the GPU's sizes
-    assert argument(nccl, "--device") == "cuda" and nccl["nproc"] == 1
-    assert int(argument(nccl, "--width")) == distributed.GPU_WORK.width
+    assert int(argument(gloo, "--width")) == plan07.GLOO_WORK.width
+    assert int(argument(gloo, "--batch")) == plan07.GLOO_WORK.batch
+    # the one-rank run on the GPU itself (the course's device: the CPU playing it here) takes the GPU's planned sizes
+    gpu = scope["plan"].gpu_work
+    assert nccl["nproc"] == 1 and int(argument(nccl, "--width")) == gpu.width > plan07.GLOO_WORK.width
+    assert int(argument(nccl, "--batch")) == gpu.batch and "env" not in nccl  # all its threads: no OMP_NUM_THREADS
     (collectives,) = launches(scope, COLLECTIVES)
-    assert int(argument(collectives, "--max-bytes")) == distributed.CPU_WORK.max_bytes
+    assert int(argument(collectives, "--max-bytes")) == plan07.GLOO_WORK.max_bytes
     (fsdp,) = launches(scope, FSDP_LAUNCH)
-    assert argument(fsdp, "--device") == "cpu" and int(argument(fsdp, "--width")) == distributed.CPU_WORK.width
+    assert argument(fsdp, "--device") == "cpu" and int(argument(fsdp, "--width")) == plan07.GLOO_WORK.width
+
+
+def test_without_a_gpu_there_is_no_one_rank_gpu_run(machine):
+    scope = machine(0)
+    (gloo,) = launches(scope, DDP_LAUNCH)
+    assert argument(gloo, "--device") == "cpu" and "gpu_work" not in scope["plan"].sizes
 
 
 def test_on_several_gpus_in_full_mode_the_nccl_runs_get_gpu_sized_work(machine):
     scope = machine(4, full=True)
-    assert scope["backend_device"] == "cuda" and scope["size"] == distributed.GPU_WORK
+    assert scope["backend_device"] == "cuda" and scope["size"] == scope["plan"].work and scope["launch"]["env"] == {}
     (ddp,) = launches(scope, DDP_LAUNCH)
-    assert int(argument(ddp, "--width")) == distributed.GPU_WORK.width and ddp["nproc"] == 4
+    assert int(argument(ddp, "--width")) == scope["plan"].work.width >= 1024 and ddp["nproc"] == 4
+    (tuning,) = launches(scope, TUNING_LAUNCH)
+    assert argument(tuning, "--device") == "cuda" and tuning["nproc"] == 4
 
 
-def test_in_quick_mode_the_launches_time_the_cpus_sizes_in_fewer_shorter_rounds(machine):
-    """CI's quick mode (no GPU): the same model and messages as a CPU's full run, the collectives called at most
-    QUICK_WORK.iters times per round and the DDP configurations timed in QUICK_WORK's rounds and calls."""
-    quick = distributed.QUICK_WORK
+def test_in_quick_mode_the_launches_time_the_quick_sizes(machine):
+    """CI's quick mode (no GPU): the collectives called at most QUICK_WORK.iters times per round and the DDP
+    configurations timed in QUICK_WORK's rounds and calls."""
+    quick = plan07.QUICK_WORK
     scope = machine(0)
     assert scope["size"] == quick
     (collectives,) = launches(scope, COLLECTIVES)
     assert int(argument(collectives, "--max-bytes")) == quick.max_bytes
-    assert int(argument(collectives, "--max-iters")) == quick.iters < distributed.CPU_WORK.iters
+    assert int(argument(collectives, "--iters")) == quick.iters < plan07.GLOO_WORK.iters
     (ddp,) = launches(scope, DDP_LAUNCH)
     assert [int(argument(ddp, name)) for name in ("--rounds", "--calls")] == [quick.rounds, quick.calls]
 
 
-def test_the_collectives_script_calls_each_collective_at_most_max_iters_times_per_round(monkeypatch):
-    """The script's calls per timed round: --max-iters for the smallest messages, fewer (at least 2) for larger ones,
+def test_the_collectives_script_calls_each_collective_at_most_iters_times_per_round(monkeypatch):
+    """The script's calls per timed round: --iters for the smallest messages, fewer (at least 2) for larger ones,
     the same on every rank."""
     calls = []
 
     def fake_all_reduce(tensor, *args, **kwargs):
         calls.append(tensor.numel() * tensor.element_size())
 
-    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, x: (_ for _ in ()).throw(Stop()), raising=False)
     monkeypatch.setattr(dist, "all_gather_single", lambda out, x: (_ for _ in ()).throw(Stop()), raising=False)
-    monkeypatch.setattr("sys.argv", ["collectives.py", "--max-bytes", str(2**20), "--max-iters", "7"])
+    monkeypatch.setattr("sys.argv", ["collectives.py", "--max-bytes", str(2**20), "--iters", "7"])
     with pytest.raises(Stop):  # stopped at the first all-gather: the all-reduces are done
-        exec(cell("0f7b1d52"), {"__name__": "__main__"})
+        exec(cell(COLLECTIVES_SCRIPT), {"__name__": "__main__"})
     per_size = {nbytes: calls.count(nbytes) for nbytes in dict.fromkeys(calls)}
     # 2 warm-up calls and 3 timed rounds: 4 KiB .. 512 KiB at the cap of 7, 1 MiB at 2**22 // 2**20 = 4 calls
     assert per_size == {**{2**k: 2 + 3 * 7 for k in range(12, 20)}, 2**20: 2 + 3 * 4}

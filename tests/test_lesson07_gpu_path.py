@@ -15,7 +15,7 @@ import gpulab
 from gpulab import distributed
 
 from .conftest import ROOT
-from .test_distributed_lesson07 import FSDP_LAUNCH, FSDP_SCRIPT, SETUP, cell
+from .test_distributed_lesson07 import DDP_SCRIPT, FSDP_LAUNCH, FSDP_SCRIPT, SETUP, TUNING_SCRIPT, cell, lesson_plan
 
 WITH_STAND_IN = '''
     """Run a script under the CUDA stand-in: python with_stand_in.py <repository> <script> [its arguments]."""
@@ -59,8 +59,7 @@ def test_fsdp_bytes_are_measured_by_the_allocator_on_gpu_ranks_and_the_lesson_re
     assert mine["FSDP"]["parameters"] == pytest.approx(4 * count / 2, rel=0.05)  # its own shard of the parameters
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the notebook on a machine with two GPUs
-    monkeypatch.setenv("GPULAB_QUICK", "1")
-    scope = {"__name__": "__main__", "gpulab": gpulab}
+    scope = {"__name__": "__main__", "gpulab": gpulab, "plan": lesson_plan(2, card="NVIDIA H200")}
     exec(cell(SETUP), scope)
     assert scope["backend_device"] == "cuda" and scope["ranks"] == [1, 2]
     launched = []
@@ -76,12 +75,12 @@ def test_fsdp_bytes_are_measured_by_the_allocator_on_gpu_ranks_and_the_lesson_re
         launched.append([str(a) for a in args])
         return Launch()
 
-    scope["distributed"] = type("Distributed", (), {"torchrun": staticmethod(torchrun)})
+    scope["distributed"] = type("Distributed", (), {"torchrun": staticmethod(torchrun), "record": distributed.record})
     scope["display"] = lambda *args: None
     scope["plt"] = type("Plt", (), {"show": staticmethod(lambda: None)})
     exec(cell(FSDP_LAUNCH), scope)
     exec(cell("5be964f8"), scope)
-    assert launched == [["--device", "cuda", "--width", str(scope["size"].width)]]
+    assert launched == [["--device", "cuda", *map(str, scope["size"].args())]]
     said = capsys.readouterr().out
     assert "lower bars measured: torch.cuda.memory_allocated() after each phase" in said
     assert "On 2 GPUs, torch.cuda.memory_allocated() after each phase: one rank holds" in said
@@ -90,3 +89,27 @@ def test_fsdp_bytes_are_measured_by_the_allocator_on_gpu_ranks_and_the_lesson_re
         [f"predicted_{p}" for p in ("parameters", "buckets", "gradients", "optimizer")]].sum(axis=1)
     assert ratios[["DDP", "DDP, gradient_as_bucket_view"]].tolist() == pytest.approx([1.0, 1.0], rel=0.05)
     assert isinstance(gpulab.ResultLog("07_fsdp_bytes").frame(), pd.DataFrame)
+
+
+def test_the_ddp_scripts_gpu_branch_times_its_blocks_with_the_ranks_meeting_on_a_gloo_group(tmp_path):
+    """ddp_train.py and ddp_tuning.py on two ranks that each play a GPU: the blocks wait for the GPU's queue
+    (torch.cuda.synchronize) and the ranks meet on a gloo group of their own before each block (a CPU wait, the GPUs
+    idle), as NCCL ranks do; the rows are those the notebook reads. The bucket caps, sized from the model's layers,
+    make three different numbers of all-reduces (the lesson's caps of 1, 25 and 100 MB made 3, 1 and 1 at its width of
+    512: two of its three configurations were the same one)."""
+    sizes = ["--device", "cpu", "--width", 512, "--batch", 8, "--rounds", 2, "--calls", 1]
+    rows = on_the_stand_in(tmp_path, DDP_SCRIPT, *sizes, nproc=2).results()
+    assert {(r["part"], r.get("kind"), r["ranks"]) for r in rows} == {
+        ("gradients", None, 2), ("scaling", "step", 1), ("scaling", "step", 2), ("scaling", "compute", 1),
+        ("scaling", "compute", 2), ("scaling", "forward", 1)}
+    assert all(len(r["times"]) == 2 for r in rows if r["part"] == "scaling")
+    gradients = next(r for r in rows if r["part"] == "gradients")
+    assert gradients["max_difference"] <= 1e-12 * gradients["scale"]
+    tuned = on_the_stand_in(tmp_path, TUNING_SCRIPT, *sizes, nproc=2).results()
+    buckets = sorted((r["bucket_cap_mb"], r["all_reduces"]) for r in tuned if r["part"] == "buckets")
+    assert [count for _, count in buckets] == [3, 2, 1]  # a bucket per layer, two layers' worth, one for all
+    ways = {r["way"]: r for r in tuned if r["part"] == "accumulation"}
+    per_backward = ways["without no_sync()"]["all_reduces_per_backward"]
+    assert [ways[w]["all_reduces"] for w in ("no_sync() but the last", "without no_sync()", "no_sync() on all")] == [
+        per_backward, 4 * per_backward, 0]
+    assert ways["no_sync() on all"]["ranks_disagree_by"] > 0 == ways["no_sync() but the last"]["ranks_disagree_by"]

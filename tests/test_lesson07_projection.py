@@ -1,8 +1,9 @@
 """Lesson 07's projection to GPU clusters takes the compute measured on the device it is about: its cells run here on
 the rows the course's first H200 run wrote (one GPU: DDP on two gloo processes on the CPU, and on one NCCL rank on the
-GPU), with torchrun faked to return them."""
+GPU), with torchrun faked to return them; the one-GPU machine is the CUDA stand-in playing the H200."""
 
 import math
+from contextlib import nullcontext
 
 import matplotlib
 import pandas as pd
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 import gpulab
-from gpulab import distributed
+from gpulab import distributed, plans
 
 from .conftest import ROOT
-from .test_distributed_lesson07 import SETUP, cell
+from .cuda_stand_in import installed
+from .test_distributed_lesson07 import SETUP, cell, lesson_plan
 
 matplotlib.use("Agg")
 DATA = ROOT / "tests" / "data" / "07_multi_gpu"
@@ -47,19 +49,21 @@ class FakeRun:
 
 
 def section_5(monkeypatch, results_dir, gpus: int) -> dict:
-    """Sections 3 and 5 of the notebook on a machine with ``gpus`` GPUs, on the H200's rows; the cells' variables."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    """Sections 3 and 5 of the notebook on a machine with ``gpus`` GPUs (one: the stand-in playing the H200), on the
+    H200's rows; the cells' variables."""
+    scope = {"__name__": "__main__", "gpulab": gpulab, "plans": plans, "device": torch.device("cpu"),
+             "plan": lesson_plan(gpus, card="NVIDIA H200")}
     monkeypatch.setenv("GPULAB_QUICK", "1")
-    scope = {"__name__": "__main__", "gpulab": gpulab}
-    exec(cell(SETUP), scope)
+    with installed("NVIDIA H200") if gpus else nullcontext():
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        exec(cell(SETUP), scope)
 
-    def fake_torchrun(script, *args, nproc=2, **kwargs):
-        device = [str(a) for a in args][[str(a) for a in args].index("--device") + 1]
-        return FakeRun(h200_rows(device), nproc)
+        def fake_torchrun(script, *args, nproc=2, **kwargs):  # the one-rank run is the GPU's
+            return FakeRun(h200_rows("cuda" if nproc == 1 else "cpu"), nproc)
 
-    scope["distributed"] = type("FakeDistributed", (), {"torchrun": staticmethod(fake_torchrun),
-                                                         "work_size": staticmethod(distributed.work_size)})
-    exec(cell(DDP_LAUNCH), scope)
+        scope["distributed"] = type("FakeDistributed", (), {"torchrun": staticmethod(fake_torchrun),
+                                                             "record": staticmethod(distributed.record)})
+        exec(cell(DDP_LAUNCH), scope)
     scope["distributed"] = distributed
     collectives = pd.read_csv(DATA / "h200_quick_07_collectives.csv")
     scope.update(collectives=collectives, all_reduce=collectives[collectives.op == "all_reduce"])

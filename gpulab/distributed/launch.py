@@ -248,3 +248,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun, every process it started (each rank leads a session of its own) and their groups."""
     end_tree(proc)
     proc.wait()
+
+
+def record(name: str, frame, **extra) -> None:
+    """Append each row of ``frame`` (a launch's results) to the results log ``name`` (``gpulab.ResultLog``), with
+    ``extra``: its empty cells and its lists (each timed block's seconds; log their median) left out."""
+    from ..results import ResultLog
+
+    log = ResultLog(name)
+    for row in frame.to_dict("records"):
+        log.add(**{k: v for k, v in row.items() if not isinstance(v, list) and v == v and v is not None}, **extra)

@@ -1,14 +1,12 @@
-"""How many ranks a lesson runs and how much work each gets (CPU-sized work for gloo processes on the CPU, whatever
-GPU the machine has), and ``interleaved``: configurations timed in short blocks, in alternating order, inside a
-launched script (its pairs go to ``gpulab.Comparison.of``).
+"""How many ranks a lesson runs and how much work each gets (``WorkSize``: lesson 07's plan sizes it from the card),
+and ``interleaved``: configurations timed in short blocks, in alternating order, inside a launched script (its pairs
+go to ``gpulab.Comparison.of``).
 """
 
 import time
 from dataclasses import dataclass
 
 import numpy as np
-
-from ..mode import quick_mode
 
 # ----- how many ranks, how much work, and timing inside a launched script ----------------------------
 
@@ -29,42 +27,27 @@ def rank_counts(gpus: int) -> list[int]:
 
 @dataclass(frozen=True)
 class WorkSize:
-    """How much work each rank of a lesson's launches does."""
+    """How much work each rank of a lesson's launches does (lesson 07's plan chooses it: ``gpulab.plans.plan07``)."""
 
     width: int  # of the WideMLP trained
     batch: int  # samples per rank and step
     rounds: int  # interleaved rounds of a timing: the pairs of each comparison
     calls: int  # steps per timed block
-    max_bytes: int  # the largest collective timed
+    max_bytes: int  # the largest collective timed (0: none)
     iters: int = 100  # the most calls of a collective per timed round (the smallest messages; fewer for larger ones)
 
     def args(self) -> list:
-        """The command-line arguments of lesson 07's DDP script for these sizes."""
-        return ["--width", self.width, "--batch", self.batch, "--rounds", self.rounds, "--calls", self.calls]
+        """The command-line arguments of lesson 07's scripts for these sizes (``gpulab.distributed.rank.script_args``
+        reads them)."""
+        return ["--width", self.width, "--batch", self.batch, "--rounds", self.rounds, "--calls", self.calls,
+                "--max-bytes", self.max_bytes, "--iters", self.iters]
 
-
-CPU_WORK = WorkSize(width=512, batch=64, rounds=8, calls=2, max_bytes=2**24)
-GPU_WORK = WorkSize(width=4096, batch=256, rounds=16, calls=5, max_bytes=2**30)
-# Quick mode (CI, a 2-core CPU): the CPU's sizes, timed in the fewest pairs whose 90 % interval can still support a
-# verdict (5), one step per block, and at most 20 calls per round of a collective.
-QUICK_WORK = WorkSize(width=512, batch=64, rounds=5, calls=1, max_bytes=2**24, iters=20)
-
-
-def work_size(device) -> WorkSize:
-    """The work of ranks on ``device``: GPU sizes for CUDA ranks in full mode, CPU sizes otherwise, and in quick mode
-    the CPU's sizes timed in fewer, shorter blocks.
-
-    Sized by the backend, not by the machine: gloo processes on the CPU get CPU-sized work in full mode too (on a
-    one-GPU machine the multi-rank runs are gloo on the CPU, and a GPU's sizes there take longer than a launch's
-    time limit).
-    """
-    kind = device if isinstance(device, str) else getattr(device, "type", str(device))
-    kind = kind.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"work_size is for 'cpu' (gloo) or 'cuda' (NCCL) ranks; got {device!r}")
-    if quick_mode():
-        return QUICK_WORK
-    return GPU_WORK if kind == "cuda" else CPU_WORK
+    def __str__(self) -> str:
+        steps = f"{self.calls} step{'s' * (self.calls != 1)}"
+        shown = f"WideMLP width {self.width}, {self.batch} samples a rank, {self.rounds} rounds of {steps} a comparison"
+        if self.max_bytes:  # 0: a run that times no collectives
+            shown += f", collectives up to {self.max_bytes / 2**20:g} MiB ({self.iters} calls a round at most)"
+        return shown
 
 
 def interleaved(fns: dict, *, rounds: int, calls: int = 1, warmup: int = 1, before=None, sync=None,
