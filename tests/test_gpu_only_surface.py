@@ -193,6 +193,23 @@ SURFACE = (
             "lesson 03 full mode on each card: each model's knee printed below the sweep's largest batch, the steps "
             "within a factor of 2 of the plan's; the searches' failed trials 'out of memory' at the cap, the batch "
             "found within a factor of 2 of the plan's fill, and the whole card free again after them"),
+    GpuOnly("Lessons 09-11 sized by their plans: the GPT's step times and memory on the card",
+            ("step_races.Limits.of(", '"the naive step leaves most of the card unused"'),
+            "gpulab/plans/gpt.py prices the GPT's step from its FLOPs at the card's rate times the share the H200's full "
+            "first run reached (fp32, 2026-11-28) or an estimate (TF32, 16-bit, fused attention), written-out "
+            "attention's scores at the 85 bytes each the H200's sweep moved, its launches from the operators counted "
+            "on meta; its memory from lesson 11's activation predictor; the stand-in times no GPU",
+            "lessons 09 and 10 full mode: the first run's and the waterfall's measured steps within a factor of 2 of "
+            "the plan's; every step of 10 raced within plan.budget_s or refused in one line; on a T4 (none lent so "
+            "far) fp16 autocast with its GradScaler, SDPA memory-efficient, the CUDA graphs step accumulating its "
+            "micro-batches, MFU over the dense fp16 peak"),
+    GpuOnly("Lesson 11's FP8 crossover where the card has FP8",
+            ('"FP8 beats bf16 within the crossover\'s sizes"',),
+            "gpulab/plans/plan11.py predicts fp8's three training matmuls at the card's fp8 rate plus the scaling at 6 "
+            "bytes an element (an estimate; the 2026-11-27 H200 run, contended, found the crossover at n = 16384); "
+            "torch._scaled_mm's kernels (aten/src/ATen/native/cuda/Blas.cpp) run on sm_89 and newer only",
+            "lesson 11 full mode on an L4 or H100: fp8 faster than bf16 at the crossover's largest n, its errors "
+            "against bf16 a few per cent"),
     GpuOnly("cuDNN's algorithm search",
             ("cudnn.benchmark",),
             "torch/backends/cudnn/__init__.py (benchmark): cuDNN times its algorithms at the first call of each shape",

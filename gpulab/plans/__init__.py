@@ -21,7 +21,7 @@ from .lesson_plan import LessonPlan, Part, Regime
 __all__ = ["LESSONS", "Card", "LessonPlan", "Part", "Regime", "course", "lesson", "plan_for"]
 
 # The lessons that plan from the card, each by its module here (``planNN.plan(card, quick) -> LessonPlan``).
-LESSONS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
+LESSONS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
 
 
 def plan_for(number: str, card: Card, *, quick: bool = False) -> LessonPlan:
