@@ -16,10 +16,7 @@ from gpulab.results import reference
 
 from .conftest import ROOT
 
-# Colab's T4, an L4, an 8 GB laptop card, a workshop's A100 40 GB, and the H100 and H200 the course was measured on,
-# each by the name torch reports
-CARDS = ["Tesla T4", "NVIDIA L4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA A100-SXM4-40GB",
-         "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+CARDS = plans.CARDS  # Colab's T4, an L4, an 8 GB laptop card, a workshop's A100 40 GB, the H100 and the H200
 LONG = {"08", "10"}  # the capstone and the GPT's waterfall: sized to 3 minutes on an H100 (6 on a T4)
 LIMITS = {"NVIDIA H100 80GB HBM3": (2.0, 3.0), "Tesla T4": (5.0, 6.0)}  # the minutes: a lesson, a long one
 
@@ -130,3 +127,16 @@ def test_the_lessons_planning_cell_prints_the_commands_plan(number, card_name, m
     command = {entry["lesson"]: entry for entry in json.loads(capsys.readouterr().out)}[number]
     assert scope["plan"].as_dict() == command
     assert printed.startswith(str(scope["plan"]))
+
+
+def test_the_readmes_table_of_minutes_is_the_plans():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- plan-minutes")[1].split("-->", 1)[1].split("<!-- /plan-minutes -->")[0].strip()
+    assert table == plans.minutes_markdown(), "run `gpulab plan --markdown` and paste its table into the README"
+
+
+def test_the_markdown_table_has_a_row_per_card_and_a_column_per_lesson(capsys):
+    assert main(["plan", "--markdown"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| card | " + " | ".join(plans.LESSONS) + " | course |"
+    assert [line.split(" | ")[0].lstrip("| ") for line in lines[2:]] == list(plans.CARDS)

@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                    "else the card's typical host: 2 for Colab's T4)")
     p.add_argument("--gpus", type=positive(int), default=1, help="GPUs in the machine, with --card (default: 1)")
     p.add_argument("--json", action="store_true", help="a list with one object per lesson")
+    p.add_argument("--markdown", action="store_true",
+                   help="instead, every lesson's minutes on the six cards learners bring, as the README's table")
     p.set_defaults(run=_plan)
 
     p = sub.add_parser("course", help="run every lesson headless into build/ (executed notebooks and HTML)")
@@ -167,8 +169,11 @@ def _bench(args) -> int:
 
 def _plan(args) -> int:
     from ..device import on_gpu
-    from ..plans import Card, course
+    from ..plans import Card, course, minutes_markdown
 
+    if args.markdown:
+        print(minutes_markdown())
+        return 0
     if args.card:
         try:
             card = Card.named(args.card, cpus=args.cpus, gpus=args.gpus)

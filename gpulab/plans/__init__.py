@@ -18,10 +18,14 @@ from ..mode import quick_mode
 from .card import Card
 from .lesson_plan import LessonPlan, Part, Regime
 
-__all__ = ["LESSONS", "Card", "LessonPlan", "Part", "Regime", "course", "lesson", "plan_for"]
+__all__ = ["CARDS", "LESSONS", "Card", "LessonPlan", "Part", "Regime", "course", "lesson", "minutes_markdown", "plan_for"]
 
 # The lessons that plan from the card, each by its module here (``planNN.plan(card, quick) -> LessonPlan``).
 LESSONS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
+# The cards learners bring, by the names torch reports: Colab's T4, an L4, an 8 GB laptop card, a workshop's A100 40 GB,
+# and the H100 and H200 the course was measured on (the README's table of minutes; the tests plan every lesson for each)
+CARDS = ("Tesla T4", "NVIDIA L4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3",
+         "NVIDIA H200")
 
 
 def plan_for(number: str, card: Card, *, quick: bool = False) -> LessonPlan:
@@ -50,3 +54,15 @@ def lesson(number: str, device=None, *, show: bool = True) -> LessonPlan:
 def course(card: Card, *, quick: bool = False) -> list[LessonPlan]:
     """Every lesson's plan for ``card``, in order."""
     return [plan_for(number, card, quick=quick) for number in LESSONS]
+
+
+def minutes_markdown(cards=CARDS) -> str:
+    """The minutes every lesson plans on each of ``cards`` (each with its typical host), as a Markdown table: a row per
+    card, a column per lesson, and the course's total."""
+    rows = []
+    for name in cards:
+        plans = course(Card.named(name))
+        rows.append([name, *(f"{p.minutes:.1f}" for p in plans), f"{sum(p.minutes for p in plans):.0f}"])
+    head = ["card", *LESSONS, "course"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
