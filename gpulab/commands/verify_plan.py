@@ -70,11 +70,10 @@ PLANNED = {
     "06": estimate(2.0, "the lesson's own plan: 2.0 min on an H100 or H200, its path's races stopped at a 51 s budget "
                    "(the slow loop at batch 32, its profile and HTA ~20 s, three torch.compile runs; estimates)"),
     "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
-    "08": estimate(3.0, "the lesson's own plan (2026-11-28): 2.8 min on an H100 or H200 (a 135 s budget "
-                   "stops the noise seeds and the races, the naive job raced once at the 2026-11-28 "
-                   "H200's ~3,250 images/s of per-sample pipeline, each step followed by the network's, the fast "
-                   "rates and the compile estimated; ~45 s for the rest)"),
-    "09": estimate(1.2, "the lesson's own plan: 1.2 min on an H100, 1.1 on an H200 (three ceilings ~27 s, the first run "
+    "08": estimate(2.4, "the lesson's own plan: 2.4 min on an H100 or H200 (gpulab plan: the noise seeds and the seven "
+                   "races inside one 135 s budget, the naive job at the 2026-11-28 H200's ~3,250 images/s of per-sample "
+                   "pipeline, the fast rates and the compile estimated; start, ceilings and figures ~45 s)"),
+    "09": estimate(1.1, "the lesson's own plan: 1.1 min on an H100 or H200 (three ceilings ~27 s, the first run "
                    "of 60 steps of 8 x 1024 tokens in fp32 ~8 s, the attention sweep to T = 8192 ~5 s, start, FLOP "
                    "counts and figures ~25 s; estimates)"),
     "10": estimate(3.0, "the lesson's own plan: 3.0 min on an H100 or H200, its races and head-to-head stopped at a "
