@@ -7,10 +7,13 @@ import json
 
 import pandas as pd
 import pytest
+import torch
+import torch.nn.functional as F
 
-from gpulab import distributed, plans
+from gpulab import distributed, flops, plans
 from gpulab.commands.cli import main
 from gpulab.distributed import WorkSize
+from gpulab.models import WideMLP
 from gpulab.plans import plan07
 
 from .conftest import ROOT
@@ -79,6 +82,14 @@ def test_the_regimes_can_fail():
     fast_link = distributed.Link("a link as fast as memory", 3e12, 1e-6)
     assert not plan07._visible(512, 0.1, fast_link, "GPUs").holds  # a 4 µs all-reduce against 100 ms of compute
     assert not plan07._sweep(WorkSize(512, 64, 8, 2, max_bytes=2**20), 2, plan07.GLOO).holds  # stops below crossover
+
+
+@pytest.mark.parametrize("width", [64, 512, 4096])
+def test_the_plans_count_of_the_mlps_flops_is_the_flop_counters(width):
+    with torch.device("meta"):
+        model, x, y = WideMLP(width=width), torch.empty(1, 3, 32, 32), torch.zeros(1, dtype=torch.long)
+    assert plan07.mlp(width) == (sum(p.numel() for p in model.parameters()),
+                                 flops.training_flops(model, x, y, F.cross_entropy).total)
 
 
 def test_the_plans_estimates_are_the_h200_runs_it_names():

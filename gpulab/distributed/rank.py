@@ -13,7 +13,6 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.tensor import DTensor
 
 from ..device import on_gpu
 from .launch import RESULT
@@ -109,5 +108,7 @@ def counted_bytes(strategy: str, model, optimizer) -> dict:
 
 
 def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor  # here, not above: the scripts without FSDP start faster without it
+
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)

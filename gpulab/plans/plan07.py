@@ -16,9 +16,8 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from .. import flops
 from ..distributed.collectives import Link, ring_allreduce_seconds
 from ..distributed.scaling import ddp_step_seconds
 from ..distributed.work import WorkSize, rank_counts
@@ -78,12 +77,14 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
 
 @functools.cache
 def mlp(width: int) -> tuple[int, float]:
-    """The WideMLP's parameters and the FLOPs of one sample's training step (``flops.training_flops`` on the meta
-    device: no memory, no time)."""
+    """The WideMLP's parameters and the FLOPs of one sample's training step: per weight, 2 for the forward matmul, 2
+    for the weight's gradient and 2 for the input's (not the first layer's: its input needs none), as
+    ``gpulab.flops.training_flops`` counts them (tests/test_lesson07_plan.py compares the two; the count here takes
+    no time, FlopCounterMode's first use seconds)."""
     with torch.device("meta"):
-        model = WideMLP(width=width)
-        x, y = torch.empty(1, 3, 32, 32), torch.zeros(1, dtype=torch.long)
-    return sum(p.numel() for p in model.parameters()), float(flops.training_flops(model, x, y, F.cross_entropy).total)
+        layers = [m for m in WideMLP(width=width).modules() if isinstance(m, nn.Linear)]
+    weights = [layer.weight.numel() for layer in layers]
+    return sum(p.numel() for layer in layers for p in layer.parameters()), 6.0 * sum(weights) - 2.0 * weights[0]
 
 
 def cpu_step_s(work: WorkSize) -> float:
