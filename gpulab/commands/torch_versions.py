@@ -1,10 +1,11 @@
 """`make test-versions`: the quick course on the torch versions the package declares, each in a venv of its own.
 
 Two pairs of torch and torchvision are tried: the floor, the lowest versions pyproject.toml declares
-(``torch>=2.6`` is torch 2.6.0, with torchvision 0.21.0), and the newest, the newest torch release for which the
+(``torch>=2.7`` is torch 2.7.0, with torchvision 0.22.0), and the newest, the newest torch release for which the
 package index also serves its torchvision (an index can hold a torch release days before its torchvision). Each gets
 a venv under ``--out`` (``floor/venv``, ``newest/venv``) with the course installed into it, pip given the other
-packages' pins from constraints.txt, so that only torch and torchvision differ from what CI runs. Then
+packages' pins from constraints.txt, so that only torch, torchvision and what they bring (Triton, CUDA's
+libraries) differ from what CI runs. Then
 ``GPULAB_QUICK=1 gpulab course`` runs every lesson headless in that venv, into ``floor/course`` and
 ``newest/course``. The table at the end, also written to ``--out``/summary.csv, says for each pair which versions
 ran, how many lessons passed, which failed, the minutes and the load average. Exit status 0 only when every lesson
@@ -29,7 +30,7 @@ from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[2]
-VISION_OFFSET = 15  # torchvision 0.(N+15) is built for torch 2.N (0.21 for 2.6 ... 0.29 for 2.14), and requires it
+VISION_OFFSET = 15  # torchvision 0.(N+15) is built for torch 2.N (0.21 for 2.6 ... 0.29 for 2.14)
 COLUMNS = ["pair", "torch", "torchvision", "python", "passed", "lessons", "failed", "minutes", "date",
            "load_before", "load_after"]
 
@@ -38,7 +39,7 @@ COLUMNS = ["pair", "torch", "torchvision", "python", "passed", "lessons", "faile
 class Pair:
     """One pair to try: its name and the requirements pip is given for torch and torchvision."""
     name: str
-    torch: str        # a requirement, e.g. "torch==2.6.0" or "torch==2.14.*"
+    torch: str        # a requirement, e.g. "torch==2.7.0" or "torch==2.14.*"
     torchvision: str
     why: str
 
