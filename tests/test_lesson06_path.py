@@ -201,6 +201,17 @@ def test_the_lessons_path_on_this_cpu_keeps_only_faster_fixes_with_its_own_trace
         assert path.parts[name]["step_ms"] > 0 and math.isnan(path.parts[name]["kernels"])
 
 
+def test_the_data_on_the_device_is_augmented_there_even_where_augmenting_there_was_dropped(monkeypatch, results_dir):
+    """The data set on the device holds the raw uint8 images: a path that dropped "augment on the device" (within noise)
+    and kept "data on the device" still trains on augmented float images (the lesson raised "mean(): ... Got: Byte" when
+    the race dropped it, make test-versions on torch 2.14.1)."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    scope = lesson_scope("n_images = batch_size * (steps + 1)", "def make_run(")
+    model, optimizer, loader = scope["make_run"](("data on the device",))
+    loss = scope["train"](model, optimizer, loader, 2, ("data on the device",))
+    assert math.isfinite(loss)
+
+
 # ----- the pieces ---------------------------------------------------------------------------------------------
 
 
