@@ -69,7 +69,8 @@ PLANNED = {
                    "fragmentation processes; estimates); quick mode alone on the H200 took 37 s"),
     "06": estimate(2.0, "the lesson's own plan: 2.0 min on an H100 or H200, its path's races stopped at a 51 s budget "
                    "(the slow loop at batch 32, its profile and HTA ~20 s, three torch.compile runs; estimates)"),
-    "07": estimate(1.0, "one GPU: 5 gloo launches (~5 s each) and a one-rank NCCL run"),
+    "07": estimate(1.4, "the lesson's own plan: 1.4 min on an H100 or H200 with one GPU (gloo launches on the CPU ~5 s "
+                   "each, a one-rank NCCL run at the planned width; estimates)"),
     "08": estimate(2.4, "the lesson's own plan: 2.4 min on an H100 or H200 (gpulab plan: the noise seeds and the seven "
                    "races inside one 135 s budget, the naive job at the 2026-11-28 H200's ~3,250 images/s of per-sample "
                    "pipeline, the fast rates and the compile estimated; start, ceilings and figures ~45 s)"),
