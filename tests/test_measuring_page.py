@@ -103,8 +103,6 @@ def test_a_gpu_branch_only_adds_what_a_cpu_lacks():
     assert do_bench_calls(trees) == do_bench_calls(statement for b in branches for statement in b.body) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the lessons' links to the page come from the helpers rewriting them (issue 39); "
-                   "the lead removes this mark once every lesson links here")
 def test_every_lesson_links_to_the_page():
     unlinked = [p.name for p in lessons(ROOT) if PAGE.name not in "\n".join(
         c.source for c in nbformat.read(p, as_version=4).cells if c.cell_type == "markdown")]
