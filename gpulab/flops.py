@@ -586,3 +586,73 @@ def _measured_again(known: Ceiling) -> Ceiling:
         precision, device, shapes, seconds = known.key
         return ceiling(precision, device, shapes=shapes, seconds=seconds, again=True)
     return _MEASURED.get(known.key, known)
+
+
+@dataclass(frozen=True)
+class StepMFU:
+    """MFU of one training step's FLOPs run in several precisions (lesson 04) (``ran_in``: {run: the precision its matmuls ran
+    in}): each run over the dense datasheet peak of its precision (``mfu``), with "of achievable" over the
+    ceiling measured here beside it; and, where runs of different precisions are compared side by side, over one
+    reference peak, the fastest precision's (``reference_peak``), so that the faster step reads the higher share.
+    Made with ``measure``."""
+
+    model_flops: float
+    ran_in: dict
+    ceilings: dict  # precision -> Ceiling
+    reference: str  # the precision of the one reference peak
+    reference_tflops: float
+    from_sheet: bool  # the reference is a datasheet peak (else the ceiling measured here: a device without one)
+
+    @classmethod
+    def measure(cls, model_flops: float, ran_in: dict, device=None) -> "StepMFU":
+        """Each precision's ceiling (``ceilings``: measured once per process) and the one reference peak."""
+        measured = ceilings(list(dict.fromkeys(ran_in.values())), device=device)
+        reference, reference_tflops = reference_peak(list(measured), device)
+        from_sheet = measured[reference].datasheet_tflops == reference_tflops
+        return cls(model_flops, dict(ran_in), measured, reference, reference_tflops, from_sheet)
+
+    def of(self, run: str, seconds: float):
+        """The ``Utilisation`` of run ``run``'s step taking ``seconds``."""
+        return mfu(self.model_flops, seconds, self.ceilings, precision=self.ran_in[run])
+
+    def one_peak(self, run: str, seconds: float) -> float:
+        """The step's model FLOP/s over the one reference peak (NaN where its own figures are impossible)."""
+        u = self.of(run, seconds)
+        return math.nan if u.impossible else u.against(self.reference_tflops)
+
+    @property
+    def one_peak_name(self) -> str:
+        if self.from_sheet:
+            return f"MFU against the dense {self.reference} peak of {self.reference_tflops:g} TFLOP/s"
+        return f"share of the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s"
+
+    def one_peak_text(self, run: str, seconds: float) -> str:
+        """"MFU 12.3 % against the dense bf16 peak of 989.5 TFLOP/s" (without a vendor peak: the ceiling's share)."""
+        share = self.one_peak(run, seconds)
+        shown = f"{share * 100:.3g} %" if share == share else "n/a"
+        return f"MFU {shown} against the dense {self.reference} peak" if self.from_sheet else \
+            f"{shown} of the measured {self.reference} ceiling"
+
+    def row(self, run: str, seconds: float) -> dict:
+        """The results columns of run ``run``'s step: MFU and of achievable with both denominators, and the one peak."""
+        u = self.of(run, seconds)
+        return {**{k: v for k, v in u.row().items() if k != "precision"}, "ceiling_precision": u.precision,
+                "mfu_one_peak": self.one_peak(run, seconds), "one_peak_precision": self.reference,
+                "one_peak_tflops": self.reference_tflops}
+
+    def text(self, run: str, seconds: float) -> str:
+        """Run ``run``'s MFU beside its precision's dense peak, its share of achievable, and its share of the one peak."""
+        return f"{self.of(run, seconds)}; {self.one_peak_text(run, seconds)}"
+
+    def __str__(self) -> str:
+        lines = []
+        for run, p in self.ran_in.items():
+            c = self.ceilings[p]
+            peak = (f"MFU over the dense {p} datasheet peak of {c.datasheet_tflops:g} TFLOP/s" if c.datasheet_tflops
+                    else f"no vendor {p} peak for this device, so no MFU")
+            lines.append(f"  the {run} step: {peak}; of achievable over the measured {c}")
+        lines.append("Compared side by side, every step is also divided by one peak, the fastest precision's: " +
+                     (f"the dense {self.reference} datasheet peak, {self.reference_tflops:g} TFLOP/s." if self.from_sheet
+                      else f"the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s (no vendor "
+                      "peak for this device)."))
+        return "\n".join(lines)

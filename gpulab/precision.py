@@ -2,7 +2,7 @@
 datasheet figures are in ``gpulab.datasheets``), which precisions a device runs natively, checkpoints that keep
 the GradScaler's state with the model and the optimizer, and the lesson's tables: the matmuls beside the datasheet
 (``matmul_table``, ``roofline``), the training steps beside their pairs and, where it means something, their MFU
-beside each precision's dense peak (``step_table``, ``StepMFU``).
+beside each precision's dense peak (``step_table``, with ``flops.StepMFU``).
 
 The lesson itself writes ``torch.autocast``, ``torch.amp.GradScaler`` and the TF32 switch in its cells.
 """
@@ -293,84 +293,10 @@ def styled(table):
 FORMATS = {"samples/s": "{:,.0f}", "peak_mb": "{:.0f} MiB", "final_loss": "{:.3f}", "accuracy": "{:.1%}"}
 
 
-@dataclass(frozen=True)
-class StepMFU:
-    """MFU of one training step's FLOPs run in several precisions (``ran_in``: {run: the precision its matmuls ran
-    in}): each run over the dense datasheet peak of its precision (``flops.mfu``), with "of achievable" over the
-    ceiling measured here beside it; and, where runs of different precisions are compared side by side, over one
-    reference peak, the fastest precision's (``flops.reference_peak``), so that the faster step reads the higher share.
-    Made with ``measure``."""
-
-    model_flops: float
-    ran_in: dict
-    ceilings: dict  # precision -> flops.Ceiling
-    reference: str  # the precision of the one reference peak
-    reference_tflops: float
-    from_sheet: bool  # the reference is a datasheet peak (else the ceiling measured here: a device without one)
-
-    @classmethod
-    def measure(cls, model_flops: float, ran_in: dict, device=None) -> "StepMFU":
-        """Each precision's ceiling (``flops.ceilings``: measured once per process) and the one reference peak."""
-        from . import flops  # flops imports this module
-
-        ceilings = flops.ceilings(list(dict.fromkeys(ran_in.values())), device=device)
-        reference, reference_tflops = flops.reference_peak(list(ceilings), device)
-        from_sheet = ceilings[reference].datasheet_tflops == reference_tflops
-        return cls(model_flops, dict(ran_in), ceilings, reference, reference_tflops, from_sheet)
-
-    def of(self, run: str, seconds: float):
-        """The ``flops.Utilisation`` of run ``run``'s step taking ``seconds``."""
-        from . import flops
-
-        return flops.mfu(self.model_flops, seconds, self.ceilings, precision=self.ran_in[run])
-
-    def one_peak(self, run: str, seconds: float) -> float:
-        """The step's model FLOP/s over the one reference peak (NaN where its own figures are impossible)."""
-        u = self.of(run, seconds)
-        return math.nan if u.impossible else u.against(self.reference_tflops)
-
-    @property
-    def one_peak_name(self) -> str:
-        if self.from_sheet:
-            return f"MFU against the dense {self.reference} peak of {self.reference_tflops:g} TFLOP/s"
-        return f"share of the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s"
-
-    def one_peak_text(self, run: str, seconds: float) -> str:
-        """"MFU 12.3 % against the dense bf16 peak of 989.5 TFLOP/s" (without a vendor peak: the ceiling's share)."""
-        share = self.one_peak(run, seconds)
-        shown = f"{share * 100:.3g} %" if share == share else "n/a"
-        return f"MFU {shown} against the dense {self.reference} peak" if self.from_sheet else \
-            f"{shown} of the measured {self.reference} ceiling"
-
-    def row(self, run: str, seconds: float) -> dict:
-        """The results columns of run ``run``'s step: MFU and of achievable with both denominators, and the one peak."""
-        u = self.of(run, seconds)
-        return {**{k: v for k, v in u.row().items() if k != "precision"}, "ceiling_precision": u.precision,
-                "mfu_one_peak": self.one_peak(run, seconds), "one_peak_precision": self.reference,
-                "one_peak_tflops": self.reference_tflops}
-
-    def text(self, run: str, seconds: float) -> str:
-        """Run ``run``'s MFU beside its precision's dense peak, its share of achievable, and its share of the one peak."""
-        return f"{self.of(run, seconds)}; {self.one_peak_text(run, seconds)}"
-
-    def __str__(self) -> str:
-        lines = []
-        for run, p in self.ran_in.items():
-            c = self.ceilings[p]
-            peak = (f"MFU over the dense {p} datasheet peak of {c.datasheet_tflops:g} TFLOP/s" if c.datasheet_tflops
-                    else f"no vendor {p} peak for this device, so no MFU")
-            lines.append(f"  the {run} step: {peak}; of achievable over the measured {c}")
-        lines.append("Compared side by side, every step is also divided by one peak, the fastest precision's: " +
-                     (f"the dense {self.reference} datasheet peak, {self.reference_tflops:g} TFLOP/s." if self.from_sheet
-                      else f"the {self.reference} ceiling measured here, {self.reference_tflops:.3g} TFLOP/s (no vendor "
-                      "peak for this device)."))
-        return "\n".join(lines)
-
-
-def step_table(seconds: dict, comparisons: dict, fields: dict, batch: int, mfu: StepMFU | None = None):
+def step_table(seconds: dict, comparisons: dict, fields: dict, batch: int, mfu=None):
     """The training steps side by side: each precision's ms per step and samples/s at its median in the interleaved
     pairs its speed-up over fp32 comes from (``seconds``), the speed-up with its interval and verdict, ``fields``
-    ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu``, its MFU beside the dense peak of its precision, of
+    ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu`` (a ``flops.StepMFU``), its MFU beside the dense peak of its precision, of
     achievable, and its share of the one reference peak."""
     table = pd.DataFrame({"ms per step (pairs)": {p: s * 1e3 for p, s in seconds.items()},
                           "samples/s": {p: batch / s for p, s in seconds.items()}})

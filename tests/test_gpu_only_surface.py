@@ -168,7 +168,7 @@ SURFACE = (
             "3 % of lesson 04's quick-mode gradients without scaling and none scaled by 2^16 (tests/test_lesson04.py)",
             "lesson 04 on a GPU: 'became zero' above 1 % without scaling and under a hundredth of that with it"),
     GpuOnly("Lesson 04's MFU of its full-mode MLP, a step the plan predicts is the GPU's work, not launches",
-            ("precision.StepMFU.measure",),
+            ("flops.StepMFU.measure",),
             "gpulab/plans/plan04.py prices the step's matmuls at the card's rate and the rest (AdamW, LayerNorm, GELU, "
             "casts) from the H100's shipped step times; the stand-in cannot time a GPU",
             "lesson 04 full mode: each precision's MFU printed beside its dense datasheet peak, the bf16 step's "
