@@ -42,7 +42,8 @@ def test_lesson_00_reads_shipped_medians_as_such():
 
 
 def test_lesson_03_compares_batch_sizes_per_sample():
-    per_sample = defined("03", "per_sample", gpulab=gpulab)
+    from gpulab.batching import per_sample  # lesson 03's comparison of steps, per sample
+
     steps = Comparison.of([0.010] * 5, [0.020] * 5, labels=("batch 8", "batch 32"), caveats=("a caveat",))
     c = per_sample(steps, 8, 32)  # a step of 32 takes twice as long as one of 8: twice the samples per second
     assert c.speedup == pytest.approx(2.0) and c.verdict == "faster" and c.caveats == ("a caveat",)
