@@ -296,7 +296,8 @@ FORMATS = {"samples/s": "{:,.0f}", "peak_mb": "{:.0f} MiB", "final_loss": "{:.3f
 def step_table(seconds: dict, comparisons: dict, fields: dict, batch: int, mfu=None):
     """The training steps side by side: each precision's ms per step and samples/s at its median in the interleaved
     pairs its speed-up over fp32 comes from (``seconds``), the speed-up with its interval and verdict, ``fields``
-    ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu`` (a ``flops.StepMFU``), its MFU beside the dense peak of its precision, of
+    ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu`` (a ``flops.StepMFU``), its MFU beside the dense peak
+    of its precision, of
     achievable, and its share of the one reference peak."""
     table = pd.DataFrame({"ms per step (pairs)": {p: s * 1e3 for p, s in seconds.items()},
                           "samples/s": {p: batch / s for p, s in seconds.items()}})
