@@ -19,6 +19,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def torch_cuda_left_as_found():
+    """Every test leaves torch.cuda's functions as it found them: a patch restored out of order (a monkeypatch made
+    inside a stand-in's ``with``) would leave the stand-in's answers to every later test in that process."""
+    before = dict(vars(torch.cuda))
+    yield
+    changed = sorted(name for name, value in vars(torch.cuda).items()
+                     if callable(value) and name in before and before[name] is not value)
+    assert not changed, f"torch.cuda left patched after the test: {changed}"
+
+
 @pytest.fixture
 def results_dir(tmp_path, monkeypatch):
     """Results go to a temporary folder, never the repository's results/."""

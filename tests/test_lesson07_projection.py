@@ -4,6 +4,7 @@ GPU), with torchrun faked to return them; the one-GPU machine is the CUDA stand-
 
 import math
 from contextlib import nullcontext
+from unittest import mock
 
 import matplotlib
 import pandas as pd
@@ -54,8 +55,7 @@ def section_5(monkeypatch, results_dir, gpus: int) -> dict:
     scope = {"__name__": "__main__", "gpulab": gpulab, "plans": plans, "device": torch.device("cpu"),
              "plan": lesson_plan(gpus, card="NVIDIA H200")}
     monkeypatch.setenv("GPULAB_QUICK", "1")
-    with installed("NVIDIA H200") if gpus else nullcontext():
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with installed("NVIDIA H200") if gpus else nullcontext(), mock.patch.object(torch.cuda, "device_count", lambda: gpus):
         exec(cell(SETUP), scope)
 
         def fake_torchrun(script, *args, nproc=2, **kwargs):  # the one-rank run is the GPU's
