@@ -14,6 +14,8 @@ from .device import device_info, get_device
 from .results import reference_provenance
 
 SHARE_NAMES = {"mfu": "MFU (dense peak of its precision)", "of_achievable": "of achievable (ceiling measured here)"}
+GROWTH = 2.0  # a step's MFU is shown from the batch whose step, and every larger one's, takes this many times the
+# model's shortest step of the sweep: from there at least half of a step grows with the batch
 
 
 class Utilisation:
@@ -58,14 +60,35 @@ class Utilisation:
                 | {"ceiling_precision": u.precision})
 
 
+def launch_bound(curve: pd.DataFrame) -> pd.Series:
+    """The rows of a sweep whose step time the fixed cost of a step (its launches and Python) sets, not its
+    arithmetic: each model's rows below the first batch from which every step took at least ``GROWTH`` times the
+    model's shortest step. That shortest step holds the whole fixed cost, so from there at least half of a step
+    grows with the batch; below it, MFU would measure the launches (a toy model's steps get speed-ups instead)."""
+    def below_growth(group: pd.DataFrame) -> pd.Series:
+        steps = group.sort_values("batch_size")["median_s"]
+        grown = (steps >= GROWTH * steps.min())[::-1].cummin()[::-1]  # grown here and at every larger batch
+        return ~grown
+    return pd.concat([below_growth(group) for _, group in curve.groupby("model", sort=False)]).reindex(curve.index)
+
+
+def where_mfu_means_something(curve: pd.DataFrame) -> pd.DataFrame:
+    """The sweep with ``launch_bound`` marked, and MFU and of achievable left out ("-") on those rows."""
+    bound = launch_bound(curve)
+    return curve.assign(launch_bound=bound, mfu=curve["mfu"].mask(bound),
+                        of_achievable=curve["of_achievable"].mask(bound))
+
+
 def percent(share: float) -> str:
     return "-" if math.isnan(share) else flops.percent(share)
 
 
 def said(row) -> str:
     """A row's utilisation in a few words, beside the peak it divides by: "MFU 1.23 % of the dense tf32 peak (494.5
-    TFLOP/s; 2.05 % of achievable)"; without a vendor peak, the share of the measured ceiling; "MFU not shown" where
-    a figure was above 100 %."""
+    TFLOP/s; 2.05 % of achievable)"; without a vendor peak, the share of the measured ceiling; "no MFU" where the step
+    is launch-bound, "MFU not shown" where a figure was above 100 %."""
+    if row.get("launch_bound", False):
+        return "no MFU (launch-bound)"
     if row["mfu_warning"]:
         return "MFU not shown"
     if math.isnan(row["mfu"]):
@@ -75,9 +98,17 @@ def said(row) -> str:
 
 
 def not_shown(rows: pd.DataFrame, what) -> None:
-    """Say why each of ``rows`` shows no MFU (a figure above 100 % is no result); ``what(row)`` names the row."""
+    """Say why each of ``rows`` shows no MFU (a figure above 100 % is no result); ``what(row)`` names the row. A
+    sweep's launch-bound rows (``where_mfu_means_something``) get one line a model."""
     for _, row in rows[rows["mfu_warning"] != ""].iterrows():
         print(f"{what(row)}: MFU not shown: {row['mfu_warning']}.")
+    bound = rows[rows["launch_bound"]] if "launch_bound" in rows else rows.iloc[:0]
+    for name, group in bound.groupby("model", sort=False):
+        shortest = rows.loc[rows["model"] == name, "median_s"].min()
+        print(f"{name}: no MFU up to batch {group['batch_size'].max():,}: launch-bound there (MFU is shown from the "
+              f"batch whose step, and every larger one's, takes {GROWTH:g}× its shortest, {shortest * 1e3:.3g} ms). "
+              "The fixed cost of a step (its launches and Python) sets that time, not the arithmetic, so MFU would "
+              "measure the launches: compare those batches by samples/s.")
 
 
 def per_sample(c: Comparison, baseline_samples: int, candidate_samples: int) -> Comparison:
@@ -102,8 +133,8 @@ def throughput_figure(curve: pd.DataFrame, knees: dict, ceilings: dict, device=N
     peak_precision, peak_tflops = flops.reference_peak(sorted(ceilings), device)
     from_sheet = ceilings[peak_precision].datasheet_tflops == peak_tflops
     name = f"MFU against the dense {peak_precision} peak" if from_sheet else f"share of the measured {peak_precision} ceiling"
-    curve = curve.assign(step_ms=curve["median_s"] * 1e3,
-                         one_peak=curve["achieved_tflops"].where(curve["mfu_warning"] == "") / peak_tflops)
+    curve = curve.assign(step_ms=curve["median_s"] * 1e3,  # no point where no share is shown (launch-bound, > 100 %)
+                         one_peak=curve["achieved_tflops"].where(curve["of_achievable"].notna()) / peak_tflops)
     with plots.style():
         fig, axes = plt.subplots(2, 2, figsize=(13, 8.4))
     for ax, y, title, ylabel, log in ((axes[0, 0], "samples_per_s", "throughput", "samples/s", False),
