@@ -62,6 +62,45 @@ def test_what_a_t4_lacks_is_said_and_an_h200_lacks_only_a_second_gpu():
     assert plans.Card.named("NVIDIA H200", gpus=8).lacks(features) == []
 
 
+# Cards the datasheets do not list, as torch would report them (test values): an Ampere workstation card and a card of
+# an architecture newer than any listed
+UNLISTED = {"NVIDIA RTX A6000": dict(major=8, minor=6, total_memory=51_000_000_000, multi_processor_count=84,
+                                     L2_cache_size=6 * 2**20),
+            "NVIDIA GeForce RTX 5090": dict(major=12, minor=0, total_memory=33_600_000_000, multi_processor_count=170,
+                                            L2_cache_size=96 * 2**20)}
+
+
+@pytest.mark.parametrize("name", UNLISTED)
+def test_a_card_without_a_datasheet_has_its_own_architecture_and_guesses_only_its_rates(name):
+    """Its capability, the features that follow from it, memory, SMs and L2 are CUDA's; its rates and bandwidth a
+    listed card's per SM (of a card with the same precisions), said so in its note; every lesson plans on it."""
+    from unittest import mock
+
+    from . import cuda_stand_in, fake_libnvml
+
+    card = cuda_stand_in.Card(name, **UNLISTED[name])
+    with (mock.patch.dict(cuda_stand_in.CARDS, {name: card}),
+          mock.patch.dict(cuda_stand_in.NVML_CARDS, {name: fake_libnvml.a100_40gb}),
+          cuda_stand_in.installed(name)):
+        here = plans.Card.here(quick=False)
+    assert datasheets.find(name) is None
+    capability = (card.major, card.minor)
+    assert here.compute_capability == capability and here.sm == f"sm_{card.major}{card.minor}"
+    assert here.memory_gb == card.total_memory / 1e9 and here.sheet.sms == card.multi_processor_count
+    assert here.sheet.l2_mib == card.L2_cache_size / 2**20
+    assert (here.bf16_native, here.tf32, here.flash_attention) == (True,) * 3
+    assert here.fp8 == (capability >= (8, 9)) and here.gpm == (capability >= (9, 0))
+    assert (here.tflops("fp8") > 0) == here.fp8 and here.tflops("bf16") > 0
+    donor = next(s for s in datasheets.SHEETS.values() if f"the {s.name}'s per SM" in here.note)
+    assert set(donor.tflops) == set(here.sheet.tflops)
+    per_sm = card.multi_processor_count / donor.sms
+    assert here.sheet.tflops["fp16"] == pytest.approx(donor.tflops["fp16"] * per_sm)
+    assert here.sheet.bandwidth_gbs == pytest.approx(donor.bandwidth_gbs * per_sm)
+    assert "guesses" in here.note and "sm_" in str(here)
+    for plan in plans.course(here):
+        assert 0 < plan.memory_gb <= here.usable_gb(), plan.lesson
+
+
 def test_a_card_without_a_datasheet_is_refused_with_the_known_names():
     with pytest.raises(ValueError, match="no datasheet for 'Radeon VII'.*Tesla|T4"):
         plans.Card.named("Radeon VII")

@@ -4,8 +4,8 @@ rate a real card reached, and the host's CPU cores.
 A plan is a function of the card's name, so that ``gpulab plan --card "Tesla T4"`` on a laptop without a GPU prints
 what a learner's T4 prints: the sizes come from the **datasheet** (``gpulab.datasheets``), never from a reading that
 differs between two T4s, and a lesson checks the memory that is free when it runs against what its plan needs. A card
-the datasheets do not list is planned from what CUDA reports of it (its memory and architecture) and the rates of the
-listed card of its architecture with the fewest SMs (a guess, said so).
+the datasheets do not list is planned from what CUDA reports of it (its architecture, and the features that follow
+from it, its memory, SMs and L2) and rates guessed from a listed card's per SM (``unlisted_sheet``; its note says so).
 
 **Achievable rates.** A datasheet's peak is not what a program reaches. Each rate a plan divides work by is the peak
 times the share of it that an H100 80GB HBM3 reached in the course's own runs (``gpulab/reference/``, 2026-11-22:
@@ -37,6 +37,8 @@ TYPICAL_CPUS = {"T4": 2, "H100 SXM": 16, "H200 SXM": 16}
 DEFAULT_CPUS = 8
 # Where a lesson runs on a CPU with GPULAB_QUICK=0 (full sizes on a CPU): the sizes the course was first measured at.
 FULL_ON_CPU = "NVIDIA H100 80GB HBM3"
+# The architectures from which a card runs bf16 and TF32 natively (with flash attention), FP8, and NVML's GPM.
+AMPERE, FP8_FROM, HOPPER = (8, 0), (8, 9), (9, 0)
 # What a card may lack that some lesson uses, and what its lack changes there.
 FEATURES = {
     "bf16": "native bf16 (sm_80+): mixed precision runs in fp16, with a GradScaler",
@@ -119,9 +121,11 @@ class Card:
         sheet = datasheets.find(props.name)
         if sheet is not None:
             return cls(props.name, sheet, cpus, gpus)
-        return cls(props.name, _nearest_sheet((props.major, props.minor)), cpus, gpus, props.total_memory / 1e9,
-                   note=f"{props.name} has no datasheet here: its memory as CUDA reports it, its rates those of the "
-                        "smallest listed card of its architecture (a guess)")
+        sheet, donor = unlisted_sheet(props)
+        return cls(props.name, sheet, cpus, gpus, props.total_memory / 1e9,
+                   note=f"{props.name} has no datasheet here: its architecture, memory, SMs and L2 as CUDA reports "
+                        f"them; its TFLOP/s and memory bandwidth are guesses, the {donor.name}'s per SM times its "
+                        f"{sheet.sms} SMs, and its PCIe link and power the {donor.name}'s")
 
     # ---- facts -------------------------------------------------------------------------------------------------
 
@@ -141,25 +145,25 @@ class Card:
 
     @property
     def bf16_native(self) -> bool:
-        return self.compute_capability >= (8, 0)
+        return self.compute_capability >= AMPERE
 
     @property
     def tf32(self) -> bool:
-        return self.compute_capability >= (8, 0)
+        return self.compute_capability >= AMPERE
 
     @property
     def fp8(self) -> bool:
-        return "fp8" in (self.sheet.tflops if self.sheet else {})
+        return self.compute_capability >= FP8_FROM
 
     @property
     def flash_attention(self) -> bool:
         """SDPA's flash and cuDNN backends: sm_80 and newer (torch's sdp_utils.cpp, ``check_sm_version``)."""
-        return self.compute_capability >= (8, 0)
+        return self.compute_capability >= AMPERE
 
     @property
     def gpm(self) -> bool:
         """NVML's GPU performance monitoring (SM occupancy, tensor activity): Hopper and newer."""
-        return self.compute_capability >= (9, 0)
+        return self.compute_capability >= HOPPER
 
     @property
     def amp_precision(self) -> str:
@@ -218,7 +222,25 @@ class Card:
                 + (f", {self.gpus} GPUs" if self.gpus > 1 else "") + (f". {self.note}" if self.note else ""))
 
 
-def _nearest_sheet(capability: tuple[int, int]) -> datasheets.Sheet:
-    """The listed card of ``capability``'s architecture (its major version) with the fewest SMs; else the T4."""
-    same = [s for s in datasheets.SHEETS.values() if s.compute_capability[0] == capability[0]]
-    return min(same, key=lambda s: s.sms) if same else datasheets.SHEETS["T4"]
+def precisions_of(capability: tuple[int, int]) -> set[str]:
+    """The matmul precisions a card of ``capability`` runs natively, as the datasheets list them."""
+    return {"fp32", "fp16"} | ({"tf32", "bf16"} if capability >= AMPERE else set()) | (
+        {"fp8"} if capability >= FP8_FROM else set())
+
+
+def unlisted_sheet(props) -> tuple[datasheets.Sheet, datasheets.Sheet]:
+    """The facts of a card the datasheets do not list (``props``: torch's device properties), and the listed card its
+    guesses come from: its architecture, memory, SMs and L2 as CUDA reports them; its TFLOP/s and memory bandwidth
+    those of the listed card with the same precisions that is slowest per SM, per SM times its SMs (a plan from a slow
+    guess runs short rather than long); that card's PCIe link and power."""
+    capability, sms = (props.major, props.minor), props.multi_processor_count
+    precisions = precisions_of(capability)
+    donor = min((s for s in datasheets.SHEETS.values() if set(s.tflops) == precisions),
+                key=lambda s: s.tflops["fp16"] / s.sms)
+    per_sm = sms / donor.sms
+    sheet = datasheets.Sheet(
+        props.name, {p: rate * per_sm for p, rate in donor.tflops.items()},
+        f"guessed: CUDA's properties, and the {donor.name}'s rates per SM", memory_gib=props.total_memory / 2**30,
+        bandwidth_gbs=donor.bandwidth_gbs * per_sm, pcie=donor.pcie, power_w=donor.power_w,
+        compute_capability=capability, sms=sms, l2_mib=props.L2_cache_size / 2**20)
+    return sheet, donor
