@@ -1,14 +1,17 @@
 """Lesson 01's plan: every size from the card's rates, so that each section stays in the regime it shows there.
 
-A kernel launch costs the host about ``card.launch_s`` whatever the kernel does; a kernel that moves ``b`` bytes needs
-about ``b / card.copy_gbs`` on the GPU. A size is **launch-bound** where its bytes take a tenth of a launch or less, and
-**bandwidth-bound** where they take ten launches or more. The copy sweep runs from a launch-bound copy to one
-bandwidth-bound and eight times the card's L2 (``datasheets``: the L2 as CUDA reports it); the launch sweep from a
-one-element add to a bandwidth-bound one; the twenty matmuls of section 3 each run far longer than their launch; the
-training loops of "a sync in a loop" span widths from a step the GPU runs much faster than Python queues it to one it
-runs much slower, through the width where the two take about as long, where a sync every step costs most. Quick mode
-keeps its small fixed sizes; on a GPU (the CUDA stand-in too) the copies and the vector add still reach past the L2,
-and the matmuls are the smallest that outlast their launches.
+A kernel launch costs the host about ``card.launch_s`` whatever the kernel does, and the GPU runs even the smallest
+kernel for about ``KERNEL_GPU_S``; a kernel that moves ``b`` bytes needs about ``b / card.copy_gbs`` on the GPU. The
+copies of section 1 are each timed alone between CUDA events behind an untimed hold, which leaves the launch out: a
+copy is **fixed-cost-bound** where its bytes take a tenth of ``KERNEL_GPU_S`` or less, and **bandwidth-bound** where
+they take ten times it or more. The copy sweep runs from a fixed-cost-bound copy to one bandwidth-bound and eight
+times the card's L2 (``datasheets``: the L2 as CUDA reports it). The adds of section 4 are timed back to back on the
+host's clock, launch included: an add is **launch-bound** where its bytes take a tenth of a launch or less, and the
+launch sweep runs from a one-element add to a bandwidth-bound one. The twenty matmuls of section 3 each run far
+longer than their launch; the training loops of "a sync in a loop" span widths from a step the GPU runs much faster
+than Python queues it to one it runs much slower, through the width where the two take about as long, where a sync
+every step costs most. Quick mode keeps its small fixed sizes; on a GPU (the CUDA stand-in too) the copies and the
+vector add still reach past the L2, and the matmuls are the smallest that outlast their launches.
 """
 
 import functools
@@ -23,13 +26,18 @@ from .predict import bench_s, compare_s, matmul_s
 
 TITLE = "CUDA basics"
 FEATURES = ()
-LAUNCH_BOUND, BANDWIDTH_BOUND = 0.1, 10.0  # a kernel's bytes against its launch: at most a tenth, at least ten
+FIXED_BOUND, BANDWIDTH_BOUND = 0.1, 10.0  # bytes against a fixed cost (a launch, a kernel's own time): ≤ a tenth, ≥ ten
+# The GPU's own time for a small kernel between CUDA events (estimate: no shipped row times a small kernel alone; the
+# H200's 0.25 MB cold copies took 3.9 µs between events on 2026-11-28, quick mode, bytes and a cold start included).
+# With the lower figure, a copy judged fixed-cost-bound stays so where the kernel takes longer; the sweep's
+# bandwidth-bound end is set by the L2 on every planned card, far past ten times either figure.
+KERNEL_GPU_S = 2e-6
 MiB = 2**20
 UNLISTED_L2 = 128 * MiB  # a card whose datasheet gives no L2: larger than any listed, so the copies still pass it
 FLUSH_BYTES = 256 * MiB  # the least a cold copy's flush writes (gpulab.bench, as triton's do_bench)
 
-# ---- section 1: copies, from launch-bound to bandwidth-bound and 8× the L2 ------------------------------------------
-COPY_LADDER = [2.0**k for k in range(-4, 12)]  # MB per copy (source; the destination as much): 1/16 ... 2048
+# ---- section 1: copies, from fixed-cost-bound to bandwidth-bound and 8× the L2 --------------------------------------
+COPY_LADDER = [2.0**k for k in range(-6, 12)]  # MB per copy (source; the destination as much): 1/64 ... 2048
 PAST_L2 = 8  # the largest copy's source and destination together: at least this many times the L2
 HOLD_S = 2**21 / 1.5e9  # the untimed hold before each warm copy timed alone (gpulab.timing.HOLD_CYCLES at 1.5 GHz)
 RUN_OVERHEAD_S = 50e-6  # a run's events, their synchronisation and Python (estimate)
@@ -44,7 +52,6 @@ CHILD_S = 5.0  # a Python process that imports torch and starts CUDA: the H200's
 WIDTH_LADDER = [2**k for k in range(6, 14)]  # 64 ... 8192
 BATCH, STEPS = 512, 50
 STEP_LAUNCHES = 25  # a training step of the MLP: about 20 kernels and its Python, each about a launch (estimate)
-KERNEL_GPU_S = 2e-6  # the GPU's own fixed time for a small kernel (estimate)
 SPAN = 8.0  # the widest step runs at most this many times longer on the GPU than Python takes to queue it
 WIDTHS = 4  # widths in the sweep: each twice the last, about 4× the GPU's time per step
 SPLIT_CALLS = 10  # steps queued and run to split a step into Python's and the GPU's time (gpulab.timing.queue_and_run)
@@ -71,7 +78,7 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
         return LessonPlan("01", TITLE, card, True, _quick(card), _why(card, quick=True), features=FEATURES)
     copy_mb = _copies(card)
     adds = [n for n in LAUNCH_LADDER if 3 * 4 * n <= card.usable_gb() * 1e9]
-    last = next((n for n in adds if n >= 4**10 and _bound(card, 12 * n) >= BANDWIDTH_BOUND), adds[-1])
+    last = next((n for n in adds if n >= 4**10 and _launches(card, 12 * n) >= BANDWIDTH_BOUND), adds[-1])
     launch_sizes = [n for n in adds if n <= last]
     sizes = dict(min_time=0.2, compare_min_time=0.5, compare_pairs=None, copy_mb=copy_mb, copy_runs=20, cache_pairs=6,
                  tanh_sizes=[4**k for k in range(5, 13)], matmul_n=_matmul_n(card, quick=False), sync_pairs=10,
@@ -101,7 +108,7 @@ def _why(card: Card, *, quick: bool) -> dict:
            "vector_n": f"each array at least {PAST_L2_ARRAY}× the L2",
            "matmul_n": f"each product's arithmetic at least {OUTLASTS[quick]}× its launch"}
     if not quick:
-        why["copy_mb"] = f"from a launch-bound copy to one bandwidth-bound and {why['copy_mb']}"
+        why["copy_mb"] = f"from a fixed-cost-bound copy to one bandwidth-bound and {why['copy_mb']}"
         why["widths"] = ("from a step the GPU runs much faster than Python queues it to one it runs up to "
                          f"{SPAN:g}× slower")
         why["launch_sizes"] = "from one element to a bandwidth-bound add"
@@ -114,19 +121,26 @@ def l2_bytes(card: Card) -> float:
     return UNLISTED_L2 if math.isnan(mib) else mib * MiB
 
 
-def _bound(card: Card, nbytes: float) -> float:
-    """A kernel's bytes in launches: the seconds they take at the card's copy bandwidth over a launch's."""
+def _launches(card: Card, nbytes: float) -> float:
+    """A kernel's bytes in launches: the seconds they take at the card's copy bandwidth over a launch's (the host's
+    cost of a call timed back to back)."""
     return nbytes / (card.copy_gbs * 1e9) / card.launch_s
 
 
+def _kernel_times(card: Card, nbytes: float) -> float:
+    """A kernel's bytes in its fixed time on the GPU: the seconds they take at the card's copy bandwidth over
+    ``KERNEL_GPU_S`` (the cost of a call timed alone between events, its launch left out)."""
+    return nbytes / (card.copy_gbs * 1e9) / KERNEL_GPU_S
+
+
 def _copies(card: Card) -> list[float]:
-    """MB per copy, ×2 apart: from the largest launch-bound copy (at most 1 MB) to the first bandwidth-bound one
+    """MB per copy, ×2 apart: from the largest fixed-cost-bound copy (at most 1 MB) to the first bandwidth-bound one
     past ``PAST_L2``× the L2 that fits in memory with the flush."""
-    start = max((mb for mb in COPY_LADDER if mb <= 1 and _bound(card, 2 * mb * 1e6) <= LAUNCH_BOUND),
+    start = max((mb for mb in COPY_LADDER if mb <= 1 and _kernel_times(card, 2 * mb * 1e6) <= FIXED_BOUND),
                 default=COPY_LADDER[0])
     fits = [mb for mb in COPY_LADDER if mb >= start and 2 * mb * 1e6 + _flush_bytes(card) <= card.usable_gb() * 1e9]
     end = next((mb for mb in fits if 2 * mb * 1e6 >= PAST_L2 * l2_bytes(card)
-                and _bound(card, 2 * mb * 1e6) >= BANDWIDTH_BOUND), fits[-1])
+                and _kernel_times(card, 2 * mb * 1e6) >= BANDWIDTH_BOUND), fits[-1])
     return [mb for mb in fits if mb <= end]
 
 
@@ -184,16 +198,17 @@ def _widths(card: Card) -> list[int]:
 def regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
     """Each section's condition on this card, from its rates and the sizes chosen."""
     copy_mb, launch_sizes, widths = sizes["copy_mb"], sizes["launch_sizes"], sizes["widths"]
-    smallest, largest = (_bound(card, 2 * mb * 1e6) for mb in (copy_mb[0], copy_mb[-1]))
-    launch_bound = [n for n in launch_sizes if _bound(card, 12 * n) <= LAUNCH_BOUND]
-    top = _bound(card, 12 * launch_sizes[-1])
+    smallest, largest = (_kernel_times(card, 2 * mb * 1e6) for mb in (copy_mb[0], copy_mb[-1]))
+    launch_bound = [n for n in launch_sizes if _launches(card, 12 * n) <= FIXED_BOUND]
+    top = _launches(card, 12 * launch_sizes[-1])
     ratios = {w: step_gpu_s(card, w) / step_queue_s(card) for w in widths}
     near = [w for w, r in ratios.items() if 0.5 <= r <= 2]
     products = (matmul_s(card, sizes["matmul_n"]) - card.launch_s) / card.launch_s
     return (
-        Regime("the copies run from launch-bound to bandwidth-bound",
-               smallest <= LAUNCH_BOUND and largest >= BANDWIDTH_BOUND,
-               f"{copy_mb[0]:g} MB copied in {smallest:.2g} launches' time, {copy_mb[-1]:g} MB in {largest:.3g}"),
+        Regime("the copies run from fixed-cost-bound to bandwidth-bound",
+               smallest <= FIXED_BOUND and largest >= BANDWIDTH_BOUND,
+               f"{copy_mb[0]:g} MB copied in {smallest:.2g} times a small kernel's own GPU time "
+               f"({KERNEL_GPU_S * 1e6:g} µs, estimate), {copy_mb[-1]:g} MB in {largest:.3g}"),
         Regime("the copies pass the L2", 2 * copy_mb[-1] * 1e6 >= PAST_L2 * l2_bytes(card),
                f"the largest copy's source and destination: {2 * copy_mb[-1] * 1e6 / l2_bytes(card):.3g}× the L2 "
                f"({l2_bytes(card) / MiB:g} MiB)"),
@@ -209,9 +224,9 @@ def regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
                f"{len(launch_bound)} adds of at most {launch_bound[-1] if launch_bound else 0:,} elements take a tenth "
                f"of a launch or less; {launch_sizes[-1]:,} elements take {top:.3g} launches"),
         Regime("the vector add reads device memory", sizes["vector_n"] * 4 >= PAST_L2_ARRAY * l2_bytes(card)
-               and _bound(card, 12 * sizes["vector_n"]) >= BANDWIDTH_BOUND,
+               and _launches(card, 12 * sizes["vector_n"]) >= BANDWIDTH_BOUND,
                f"each array {sizes['vector_n'] * 4 / l2_bytes(card):.3g}× the L2, the add "
-               f"{_bound(card, 12 * sizes['vector_n']):.3g} launches long"),
+               f"{_launches(card, 12 * sizes['vector_n']):.3g} launches long"),
     )
 
 
