@@ -22,8 +22,9 @@ While installed:
   ``ones`` with ``pin_memory=True``); ``record_stream`` takes a stream; a ``DataLoader`` with ``pin_memory=True``
   warns and pins nothing (it asks ``torch.accelerator``, which the stand-in leaves as the machine has it);
 - what torch does by the card's architecture outside ``torch.cuda`` (``tests/stand_in_architecture.py``):
-  ``F.scaled_dot_product_attention`` takes the backend the card would take, or refuses as torch refuses there (a T4
-  has no flash or cuDNN attention), then runs the CPU's own kernel (``StandIn.attention`` counts the card's choices);
+  ``F.scaled_dot_product_attention`` takes the backend the card would take (cuDNN on an H100 or H200 with torch's
+  recent cuDNN, flash on an L4), or refuses as torch refuses there (a T4 has no flash or cuDNN attention), then runs
+  the CPU's own kernel (``StandIn.attention`` counts the card's choices);
   ``torch.backends.cuda.can_use_*_attention`` answer for the card; ``torch._scaled_mm`` raises below sm_89 as torch
   does, and runs where the card has FP8 (on the CPU where this torch has a CPU kernel, else GpuOnly);
 - NVML answers for the same card through nvidia-ml-py's real wrappers (``tests/fake_libnvml.py``; ``StandIn.nvml`` is

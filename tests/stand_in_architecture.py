@@ -1,15 +1,17 @@
 """What torch answers on the architecture the CUDA stand-in plays (tests/cuda_stand_in.py), where cards differ: whether
-bf16 is supported, which SDPA backend runs (or that none can), and whether FP8 matmuls (torch._scaled_mm) run.
+bf16 is supported, which SDPA backend runs (or that none can; cuDNN first on an H100 or H200 where this torch and
+its cuDNN put it first), and whether FP8 matmuls (torch._scaled_mm) run.
 
 Each rule is torch's, cited beside it: the Python ones from torch/cuda/__init__.py of the 2.6.0 and 2.14.1 wheels, the
 C++ ones from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp and aten/src/ATen/native/cuda/Blas.cpp as torch's
 main branch has them, with the words torch warns and raises read from the libtorch_cuda.so of the 2.6.0, 2.7.0 and
 2.14.1 wheels. Only the choice is played: the kernels that run are the CPU's own (a profile shows
 aten::_scaled_dot_product_flash_attention_for_cpu or the math backend's operators, never a GPU kernel's name). Not
-played: SDPA's constraints on nested tensors, grouped-query head counts, strides and storage offsets, and those that
-depend on the cuDNN version.
+played: SDPA's constraints on nested tensors, grouped-query head counts, strides and storage offsets, and cuDNN's
+constraints that depend on its version (head dimensions over 128, dropout, short sequences).
 """
 
+import os
 import re
 import warnings
 from collections import Counter
@@ -204,12 +206,45 @@ def cudnn_refusal(card, p: Attention) -> str | None:
 REFUSALS = {"flash": flash_refusal, "efficient": efficient_refusal, "cudnn": cudnn_refusal}
 
 
-def priority() -> list[str]:
-    """The order torch tries the backends in (Context's sDPPriorityOrder: flash, memory-efficient, math, cuDNN unless
-    set). Newer torch puts cuDNN first on Hopper and Blackwell with a recent cuDNN (check_prefer_cudnn_attention); that
-    is not played: it chooses between fused kernels, which the CPU runs alike."""
+DEFAULT_ORDER = ["flash", "efficient", "math", "cudnn"]  # Context's sDPPriorityOrder until something sets it
+CUDNN_FIRST = ["cudnn", "flash", "efficient", "math"]  # sdp_utils.cpp priority_order's cudnn_order
+
+
+def _switch(name: str) -> bool | None:
+    """c10::utils::check_env(name): True where the variable is "1", False where "0", else None."""
+    return {"1": True, "0": False}.get(os.environ.get(name))
+
+
+def _cudnn(loaded: bool = True) -> tuple[int, int, int]:
+    """The cuDNN version torch loads (versionRuntimeCuDNN), or the one it was built with (CUDNN_VERSION); (0, 0, 0)
+    for a torch without cuDNN."""
+    if not torch.backends.cudnn.is_available():
+        return (0, 0, 0)
+    return torch._C._cudnn.getRuntimeVersion() if loaded else torch._C._cudnn.getCompileVersion()
+
+
+def prefers_cudnn(card) -> bool:
+    """sdp_utils.cpp check_prefer_cudnn_attention, which priority_order asks at the first SDPA call and, where it holds,
+    writes cuDNN first into Context's order. Before 2.9 no version asks it (priority_order keeps the default). 2.9
+    (pytorch/pytorch#162073): compute capability 9.0 or 10.0, a torch built with cuDNN 9.9 or newer, unless
+    TORCH_CUDNN_SDPA_PREFERRED=0. 2.10 on (#171627, for #169849): the cuDNN loaded newer than 9.15.0, unless
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (the H200's run of 2026-11-28, torch 2.11 with cuDNN 9.19, took cuDNN). Newer
+    builds also take 10.3 (#170800) and, with CUDA 13, any 9.x or 10.x: no card the stand-in plays is one of those.
+    The 2.9 and 2.10 rules are read from those pull requests and torch's main branch, not at the release tags."""
+    if TORCH < (2, 9) or (card.major, card.minor) not in ((9, 0), (10, 0)):
+        return False
+    if TORCH < (2, 10):
+        return _switch("TORCH_CUDNN_SDPA_PREFERRED") is not False and _cudnn(loaded=False) >= (9, 9, 0)
+    return _switch("TORCH_CUDNN_SDPA_DEPRIORITIZED") is not True and _cudnn() > (9, 15, 0)
+
+
+def priority(card) -> list[str]:
+    """The order torch tries the backends in on ``card``: Context's sDPPriorityOrder (flash, memory-efficient, math,
+    cuDNN unless ``sdpa_kernel(..., set_priority=True)`` set another), with cuDNN first where torch prefers it there
+    (``prefers_cudnn``) and the order is still the default."""
     by_value = {backend.value: name for backend, name in NAMES.items()}
-    return [by_value[value] for value in torch._C._get_sdp_priority_order() if value in by_value]
+    order = [by_value[value] for value in torch._C._get_sdp_priority_order() if value in by_value]
+    return CUDNN_FIRST if order == DEFAULT_ORDER and prefers_cudnn(card) else order
 
 
 def _warn(text: str) -> None:
@@ -222,7 +257,7 @@ def choose(card, p: Attention) -> str:
     if not any(enabled() for enabled in ENABLED.values()):  # attention.cpp, after select_sdp_backend's error
         raise RuntimeError("No viable backend for scaled_dot_product_attention was found. This is likely due to "
                            "turning off both the math kernel and the fused kernels.")
-    for backend in priority():
+    for backend in priority(card):
         if (ENABLED["math"]() if backend == "math" else REFUSALS[backend](card, p) is None):
             return backend
     for title, backend in (("Memory efficient kernel not used because:", "efficient"),

@@ -233,6 +233,32 @@ def test_an_ampere_or_newer_card_runs_flash_attention_in_half_precision_only(cud
     assert cuda_stand_in.attention == {"flash": 1, "efficient": 1}
 
 
+@pytest.mark.parametrize("cuda_stand_in, chosen", [("NVIDIA H200", "cudnn"), ("NVIDIA L4", "flash")],
+                         indirect=["cuda_stand_in"])
+def test_pytorchs_choice_in_bf16_is_cudnn_on_a_hopper_card_and_flash_on_an_l4(cuda_stand_in, chosen, monkeypatch):
+    """sdp_utils.cpp check_prefer_cudnn_attention: cuDNN first on sm90 with a cuDNN newer than 9.15 (this torch loads
+    9.24; the H200's run of 2026-11-28, torch 2.11, printed aten::_scaled_dot_product_cudnn_attention → cuDNN); not on
+    sm89, nor where TORCH_CUDNN_SDPA_DEPRIORITIZED=1, nor before torch 2.9."""
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    attend(dtype=torch.bfloat16)
+    assert cuda_stand_in.attention == {chosen: 1}
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    with mock.patch.object(stand_in_architecture, "TORCH", max(stand_in_architecture.TORCH, (2, 10))):
+        attend(dtype=torch.bfloat16)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    with mock.patch.object(stand_in_architecture, "TORCH", (2, 8)):
+        attend(dtype=torch.bfloat16)
+    assert cuda_stand_in.attention == ({"cudnn": 1, "flash": 2} if chosen == "cudnn" else {"flash": 3})
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["NVIDIA H200"], indirect=True)
+def test_a_priority_order_the_code_sets_is_the_one_tried(cuda_stand_in):
+    """sdpa_kernel(..., set_priority=True) writes Context's order, which priority_order returns as it is."""
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION], set_priority=True):
+        attend(dtype=torch.bfloat16)
+    assert cuda_stand_in.attention == {"flash": 1}
+
+
 @pytest.mark.parametrize("cuda_stand_in", ["NVIDIA H200"], indirect=True)
 def test_the_card_chooses_for_the_dtype_autocast_casts_the_inputs_to(cuda_stand_in):
     """float32 inputs under bf16 autocast reach the kernel in bf16, which flash takes (float32 it refuses)."""
