@@ -189,6 +189,30 @@ def test_the_sweep_times_every_copy_alone_warm_and_cold(monkeypatch, results_dir
     assert list(scope["copies"]["cache"]) == ["warm", "cold"] * 2
 
 
+def overlaid_reference_labels(reference: pd.DataFrame) -> list[str]:
+    """The labels of the reference lines the copy plot's cell draws from ``reference``."""
+    source = cell("lesson01-08")
+    source = source[source.index('ref = reference_for("01_copy_bandwidth")'):source.index("plt.show()")]
+    _, ax = plt.subplots()
+    try:
+        exec(source, {"reference_for": lambda name: reference, "plots": gpulab.plots, "ax": ax})
+        return [line.get_label() for line in ax.get_lines()]
+    finally:
+        plt.close("all")
+
+
+def test_the_copy_plot_says_the_shipped_rows_were_timed_back_to_back():
+    """The H100's rows of 2026-11-22 were timed back to back, the launch included (9.7 µs for 2 MB), beside the
+    learner's copies timed alone behind the hold: several-fold apart at small sizes, so their line says why."""
+    assert overlaid_reference_labels(gpulab.reference("01_copy_bandwidth")) == [
+        "NVIDIA H100 80GB HBM3 · copy, back to back, launch included (reference)"]
+    timed_alone = pd.DataFrame(dict(device_name="NVIDIA H200", working_set_mb=[2.0, 2.0], gb_per_s=[900.0, 450.0],
+                                    label=["copy, warm cache", "copy, cold cache"], timed="alone"))
+    assert overlaid_reference_labels(timed_alone) == ["NVIDIA H200 · copy, warm cache (reference)",
+                                                      "NVIDIA H200 · copy, cold cache (reference)"]
+    assert overlaid_reference_labels(pd.DataFrame()) == []
+
+
 # ----- a GPU's queue with the H200's costs injected (gpulab.questions.observe.simulated_gpu, on a virtual clock) ------
 
 def define(scope: dict, marker: str, *functions: str) -> dict:
