@@ -71,14 +71,26 @@ def test_the_step_predictor_gives_the_h200s_full_first_run():
     assert predicted == pytest.approx(row.step_s, rel=0.02)
 
 
-@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4", "NVIDIA H200"], indirect=True)
+# PyTorch's choice in the lesson's precision (fp16 on a T4, bf16 from sm80): cuDNN first on an H200 with this torch's
+# cuDNN (tests/stand_in_architecture.py prefers_cudnn), flash on an L4 (sm89), memory-efficient on a T4 (sm75)
+CHOSEN = {"Tesla T4": "efficient", "NVIDIA L4": "flash", "NVIDIA H200": "cudnn"}
+
+
+@pytest.mark.parametrize("cuda_stand_in", ["Tesla T4", "NVIDIA L4", "NVIDIA H200"], indirect=True)
 def test_the_backends_table_as_each_card_finds_the_backends_the_plan_says_it_runs(cuda_stand_in, lesson):
     """As a T4 the cell stopped with NoDeviceEvents (the stand-in's trace has no GPU kernels; its operators are the
-    evidence now); flash and cuDNN are refused there with torch's reasons, memory-efficient and math run."""
+    evidence now); flash and cuDNN are refused there with torch's own reason, the card's sm 7.5 (the table cut it off
+    after torch's title line), memory-efficient and math run. The L4 runs the lesson's sm89 rules (flash in bf16)."""
     card = plans.Card.named(cuda_stand_in.card.name)
     assert lesson["on_gpu"] and lesson["plan"].amp == card.amp_precision
-    run(lesson, "att_dtype = ", "BACKENDS = ")
+    run(lesson, "att_dtype = ")
+    assert set(cuda_stand_in.attention) == {CHOSEN[card.name]}
+    run(lesson, "BACKENDS = ")
     assert set(lesson["runs_here"]) == set(plan09.forced(card))
     table = next(d for d in lesson["displayed"] if isinstance(d, pd.DataFrame)).set_index("forced")
     refused = {b for b in ("flash", "cuDNN") if table.loc[b, "evidence"].startswith("cannot run here")}
     assert refused == ({"flash", "cuDNN"} if card.name == "Tesla T4" else set())
+    for backend in refused:
+        why = table.loc[backend, "evidence"]
+        assert why.lower().startswith(f"cannot run here: {backend.lower()}") and why.endswith("a sm 7.5 gpu.")
+        assert "not used because" not in why and "runtime disabled" not in why and "Triggered internally" not in why
