@@ -112,6 +112,38 @@ def test_quick_mode_keeps_its_fixed_sizes_and_plans_no_minutes():
     assert "Quick mode" in str(plan)
 
 
+def test_quick_mode_on_a_gpu_says_that_some_sizes_follow_the_card():
+    """Lesson 01's copies grow past the card's L2 in quick mode too: the plan must not say nothing follows the card."""
+    t4, h200 = (plans.plan_for("01", plans.Card.named(name), quick=True) for name in ("Tesla T4", "NVIDIA H200"))
+    assert t4.copy_mb != h200.copy_mb
+    assert "Quick mode" in str(t4) and "nothing is planned from the card" not in str(t4)
+    assert "follow what the card has" in str(t4)
+
+
+@pytest.mark.parametrize("card_name", ["Tesla T4", "NVIDIA H200"])
+def test_the_printed_plan_is_short_and_its_details_hold_the_rest(card_name):
+    """A lesson prints the card, the minutes, what the card lacks and the sizes that carry a why (no None, no internal
+    size without one); ``details()`` has every size, part and regime."""
+    for plan in plans.course(plans.Card.named(card_name)):
+        short, full = str(plan), plan.details()
+        shown = [k for k, v in plan.sizes.items() if k in plan.why and v is not None]
+        assert [f"  {k}: " in short for k in plan.sizes] == [k in shown for k in plan.sizes], plan.lesson
+        assert "None" not in short and len(short.splitlines()) <= 20, short
+        assert short.endswith("print(plan.details())")
+        assert all(f"  {k} " in full for k in plan.sizes), full
+        assert all(p.name in full for p in plan.parts) and all(r.name in full for r in plan.regimes)
+    assert "  copy_bytes: 16 MiB — " in str(plans.plan_for("02", plans.Card.named("Tesla T4")))
+
+
+def test_the_printed_plan_shows_a_regime_only_where_it_does_not_hold():
+    from dataclasses import replace
+
+    plan = replace(plans.plan_for("00", plans.Card.named("Tesla T4")),
+                   regimes=(plans.Regime("kept", True, "kept's numbers"), plans.Regime("lost", False, "lost's numbers")))
+    assert "  - lost: lost's numbers" in str(plan) and "kept" not in str(plan)
+    assert "yes  kept: kept's numbers" in plan.details() and "NO   lost: lost's numbers" in plan.details()
+
+
 def test_a_plan_refuses_a_size_it_does_not_have():
     plan = plans.plan_for("00", plans.Card.named("Tesla T4"))
     with pytest.raises(AttributeError, match="no size 'batch'.*matmul_sizes"):
@@ -131,6 +163,7 @@ def test_the_command_prints_the_plans_and_the_course_total(capsys):
     assert main(["plan", "--card", "NVIDIA H200", "--cpus", "4"]) == 0
     out = capsys.readouterr().out
     assert "Lesson 00 · Setup and diagnostics: planned for NVIDIA H200" in out and "host: 4 CPU cores" in out
+    assert out.count("Minutes, part by part:") == len(plans.LESSONS)  # each plan's details
     assert "The course on NVIDIA H200: about" in out
 
 
@@ -165,7 +198,7 @@ def test_the_lessons_planning_cell_prints_the_commands_plan(number, card_name, m
     assert main(["plan", "--card", card_name, "--cpus", str(cpu_cores()), "--json"]) == 0
     command = {entry["lesson"]: entry for entry in json.loads(capsys.readouterr().out)}[number]
     assert scope["plan"].as_dict() == command
-    assert printed.startswith(str(scope["plan"]))
+    assert printed.startswith(str(scope["plan"])) and "Minutes, part by part" not in printed  # the short form
 
 
 def test_the_readmes_table_of_minutes_is_the_plans():

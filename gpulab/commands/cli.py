@@ -189,7 +189,7 @@ def _plan(args) -> int:
         print(json.dumps([plan.as_dict() for plan in plans], indent=2))
         return 0
     for plan in plans:
-        print(plan, end="\n\n")
+        print(plan.details(), end="\n\n")
     print(f"The course on {card.name}: about {sum(plan.minutes for plan in plans):.1f} minutes of running, "
           f"lesson by lesson: " + ", ".join(f"{plan.lesson} {plan.minutes:.1f}" for plan in plans))
     return 0
