@@ -287,6 +287,20 @@ def test_the_wrong_ways_demo_divides_by_this_cards_peak_and_names_another_cards_
     assert table["another precision's peak of this card (tf32)"] == sheet.tflops["tf32"]
 
 
+def test_a_t4_shows_no_sparse_figure_it_does_not_have(on_an_h100, lesson, capsys):
+    """2:4 sparse tensor cores start with Ampere (sm_80): a T4 (sm_75) has no 'with sparsity' rate, and the lesson
+    showed one (twice its fp16 peak) and says now that it has none."""
+    sheet = datasheets.find("Tesla T4")
+    final_u = flops.mfu(3e13, 0.9, {"fp16": flops.Ceiling("fp16", 40.0, datasheet_tflops=sheet.tflops["fp16"])},
+                        precision="fp16")
+    lesson.update(sheet=sheet, final_u=final_u)
+    run(lesson, "divisors = ")
+    table = lesson["displayed"][-1].set_index("divided by")["TFLOP/s"]
+    assert table["right (MFU): this card's dense fp16 peak"] == 65.0
+    assert not any("sparsity" in row for row in table.index)
+    assert "The T4 has no 2:4 sparse tensor cores (sm_80 and newer)" in capsys.readouterr().out
+
+
 # ----- section 3: graph breaks without recompiles --------------------------------------------------------------------
 
 def graphs_compiled() -> int:
