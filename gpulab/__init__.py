@@ -51,7 +51,7 @@ def setup(seed: int = 0) -> torch.device:
     elif mode == "quick":
         print("Quick mode (CI or GPULAB_QUICK is set): small sizes, few repetitions. Unset it for real numbers.")
     else:
-        print("Full mode: each lesson's sizes are planned for this card (its plan, printed next, says how many minutes "
+        print("Full mode: sizes are planned for this card (in a lesson, the plan printed next says how many minutes "
               "they take). For a few-minute run of small sizes, set GPULAB_QUICK=1 before this cell (on Colab: "
               "%env GPULAB_QUICK=1) and run it again.")
     print(f"Results are written to {results_dir()} (set GPULAB_RESULTS to change it).")

@@ -63,6 +63,8 @@ def test_the_setup_names_colab_a_70_w_card_and_how_to_choose_quick_mode(colab, m
     assert "Google Colab runtime with" in out and "vCPUs" in out
     assert "A 70 W card: it runs any sustained work at its power limit" in out
     assert "%env GPULAB_QUICK=1" in out
+    # the measuring page, the solutions and the exercises run this setup too, and print no plan
+    assert "in a lesson, the plan printed next says how many minutes" in out
     with installed("NVIDIA H200"):
         gpulab.setup()
     assert "W card" not in capsys.readouterr().out
