@@ -216,6 +216,39 @@ def test_the_copy_plot_says_the_shipped_rows_were_timed_back_to_back():
     assert overlaid_reference_labels(pd.DataFrame()) == []
 
 
+@pytest.mark.parametrize("colab", [False, True], ids=["a workstation", "Colab"])
+def test_a_warm_copy_that_lost_gets_the_comparisons_own_advice(monkeypatch, capsys, results_dir, colab):
+    """The lesson said "rerun on a quieter machine" on any machine, Colab's 2 vCPUs too, where there is none: the
+    advice is now the comparison's, from the machine's state over its pairs (none on Colab)."""
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    if colab:
+        monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261201-060000_RC00")
+    busy = gpulab.conditions.Conditions(load_avg=5.0, cpu_cores=2)
+
+    class Watch:  # the machine's state over warm_vs_cold's pairs: busy
+        def __init__(self, device):
+            self.conditions = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.conditions = busy
+
+    fake = SimpleNamespace(conditions=SimpleNamespace(Watch=Watch), Comparison=gpulab.Comparison,
+                           ResultLog=gpulab.ResultLog,
+                           bench=lambda fn, cache, alone, repeats: SimpleNamespace(median={"warm": 1.2, "cold": 1.0}[cache]))
+    scope = define({"torch": torch, "device": torch.device("cpu"), "gpulab": fake, "plan": SimpleNamespace(cache_pairs=6)},
+                   "def warm_vs_cold(mb):", "warm_vs_cold")
+    frame = pd.DataFrame({"working_set_mb": [1.0, 2.0], "gb_per_s": [100.0, 200.0]}).set_index("working_set_mb")
+    scope.update(warm=frame, cold=frame, plots=gpulab.plots)
+    source = cell("lesson01-08")
+    exec(source[source.index("gain = warm"):source.index("if not on_gpu:")], scope)
+    out = capsys.readouterr().out
+    assert "slower beyond the noise" in out and "quieter machine" not in out
+    assert ("rerun on a quiet machine before trusting it" in out) is not colab
+
+
 # ----- a GPU's queue with the H200's costs injected (gpulab.questions.observe.simulated_gpu, on a virtual clock) ------
 
 def define(scope: dict, marker: str, *functions: str) -> dict:
@@ -224,6 +257,7 @@ def define(scope: dict, marker: str, *functions: str) -> dict:
     tree = ast.parse(code("01", marker))
     constant = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.Tuple)
     kept = [node for node in tree.body if getattr(node, "name", None) in functions or isinstance(node, ast.Assign)
+            and all(isinstance(t, ast.Name) for t in node.targets)
             and isinstance(node.value, constant) and not any(isinstance(n, ast.Name) for n in ast.walk(node.value))]
     assert {n.name for n in kept if hasattr(n, "name")} == set(functions)
     exec(compile(ast.Module(kept, type_ignores=[]), f"<lesson 01: {marker}>", "exec"), scope)

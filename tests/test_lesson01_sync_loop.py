@@ -83,6 +83,21 @@ def test_a_balanced_width_within_noise_is_said_as_such():
     said = scope["why_sync_costs"](split, {512: comparison([1.0, 0.9, 1.1, 1.05, 0.95]),
                                            1024: comparison([1.2, 0.95, 1.5, 1.1, 1.0])})
     assert "not even at width 1024, where Python (300 µs) and the GPU (280 µs) took about as long" in said
+    assert "quieter machine" not in said and said.endswith("×)).")  # quiet machine, no advice: none given
+
+
+@pytest.mark.parametrize("colab", [False, True], ids=["a workstation", "Colab"])
+def test_a_balanced_width_within_noise_gets_the_comparisons_own_advice(monkeypatch, colab):
+    """"Measure more pairs on a quieter machine" was said on Colab too, whose 2 vCPUs are all there is."""
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    if colab:
+        monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261201-060000_RC00")
+    busy = gpulab.conditions.Conditions(load_avg=5.0, cpu_cores=2)
+    noisy = Comparison.of([1.2, 0.95, 1.5, 1.1, 1.0], [1.0] * 5, labels=("train_sync_every_step", "train_transfer_once"),
+                          conditions=busy)
+    said = lesson_functions()["why_sync_costs"]({1024: QueueAndRun(300e-6, 280e-6)}, {1024: noisy})
+    assert "quieter machine" not in said
+    assert said.endswith(": rerun on a quiet machine before trusting it." if not colab else "×)).")
 
 
 def test_widths_that_miss_the_balance_are_said_with_their_ratios():

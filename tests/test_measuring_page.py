@@ -113,6 +113,18 @@ def test_the_readme_links_the_page():
     assert f"notebooks/{PAGE.name}" in (ROOT / "README.md").read_text()
 
 
+def test_the_page_says_which_state_gets_which_advice_and_that_colab_gets_none(monkeypatch):
+    """The page said only a busy CPU gets "rerun on a quiet machine", which Colab's 2 vCPUs never get (conditions)."""
+    said = " ".join(next(s for s in cells("markdown") if '<a id="ceilings">' in s).split())
+    busy = gpulab.conditions.Conditions(load_avg=5.0, cpu_cores=2)
+    hot = gpulab.conditions.Conditions(load_avg=0.5, cpu_cores=4, gpu=True, throttle=("HW thermal slowdown",))
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    assert busy.advice().startswith("rerun on a quiet machine") and hot.advice().startswith("check the GPU's cooling")
+    assert '"rerun on a quiet machine", except on Colab' in said and '"check the GPU\'s cooling"' in said
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261201-060000_RC00")
+    assert busy.advice() == ""
+
+
 # ---- run whole, on the CPU and as two cards -----------------------------------------------------------------------
 
 def run_page() -> dict:
