@@ -192,7 +192,8 @@ SURFACE = (
             "without cuDNN's workspaces",
             "lesson 03 full mode on each card: each model's knee printed below the sweep's largest batch, the steps "
             "within a factor of 2 of the plan's; the searches' failed trials 'out of memory' at the cap, the batch "
-            "found within a factor of 2 of the plan's fill, and the whole card free again after them"),
+            "found within a factor of 2 of the plan's fill, and the whole card free again after them; accumulation's "
+            "micro-batches below the knee printed (k=8 against k=1 'slower', beyond noise)"),
     GpuOnly("Lessons 09-11 sized by their plans: the GPT's step times and memory on the card",
             ("step_races.Limits.of(", '"the naive step leaves most of the card unused"'),
             "gpulab/plans/gpt.py prices the GPT's step from its FLOPs at the card's rate times the share the H200's full "

@@ -12,9 +12,12 @@ the smallest batch less its per-sample work, in tiny launches (``card.launch_s``
 The **knee** is then where the fixed cost is a tenth of the step, ``9·c/s``: throughput within 90 % of its limit even
 if none of the launches overlapped the GPU's work. The launches do overlap it, so the measured knee lies below: on
 the H100 at batch 1024 and 2048, where this estimate gives about 2,900 and 3,100. The sweep goes on to at least twice
-the estimate. Quick mode keeps its small fixed sizes.
+the estimate. Its lower bound is ``c/s``, the batch whose arithmetic lasts as long as the fixed cost: below it a step
+under-uses the card however well its launches overlap the arithmetic. Gradient accumulation's micro-batches are
+sized from that bound (on the H100 the knee measured at 3.2× it). Quick mode keeps its small fixed sizes.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -63,14 +66,17 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
     top = 2 ** math.ceil(math.log2(PAST_KNEE * max(cnn.knee, mlp.knee)))
     fits = [b for b in powers(FIRST_BATCH, top) if all(m.memory_gb(b) <= card.usable_gb() and m.seconds(b) <= STEP_S
                                                      for m in (cnn, mlp))] or [FIRST_BATCH]
-    effective = 2 ** math.ceil(math.log2(2 * cnn.knee))  # k = 2 at the knee or above it, k = 8 below it
-    cap_gb = min(card.usable_gb(), cnn.memory_gb(cnn.batch_within(TRIAL_S)))
+    micro = 2 ** math.floor(math.log2(cnn.knee_at_least))  # the most micro-batches' size: below the knee
+    effective = ACCUMULATION_STEPS[-1] * micro
+    cap_gb = math.floor(10 * min(card.usable_gb(), cnn.memory_gb(cnn.batch_within(TRIAL_S)))) / 10
     fill = cnn.batch_within_gb(cap_gb)
+    fill_if_lighter = dataclasses.replace(cnn, sample_bytes=cnn.sample_bytes / 2).batch_within_gb(cap_gb)
     student = Step.student(card)
     seconds = min(MAX_SECONDS, max(SECONDS, math.ceil(1.2 * MIN_UPDATES * student.seconds(CONVERGENCE_BATCHES[-1]))))
     sizes = dict(cnn_width=CNN_WIDTH, mlp_width=MLP_WIDTH, batch_sizes=fits, repeats=None, warmup=3,
-                 compare_min_time=1.0, compare_pairs=None, budget_mib=64, cap_gb=math.floor(10 * cap_gb) / 10,
-                 search_max_batch=2 ** math.ceil(math.log2(2 * fill)), granularity=64, effective_batch=effective,
+                 compare_min_time=1.0, compare_pairs=None, budget_mib=64, cap_gb=cap_gb,
+                 search_max_batch=2 ** math.ceil(math.log2(fill_if_lighter + 1)), granularity=64,
+                 effective_batch=effective,
                  accumulation_steps=ACCUMULATION_STEPS, input_features=FEATURES_IN, n_train=N_TRAIN, n_test=N_TEST,
                  student_width=STUDENT_WIDTH, train_seconds=seconds, convergence_batches=CONVERGENCE_BATCHES,
                  base_lr=BASE_LR)
@@ -81,15 +87,23 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
                      f"{card.usable_gb():.0f} GB a plan may fill, and a trial at the largest batch within {TRIAL_S:g} s",
            "budget_mib": "without a GPU to cap: an emulated card of the step's tensors (a CPU has no out-of-memory "
                          "error to catch)",
-           "search_max_batch": f"twice the batch that fills the cap (about {fill:,}, predicted)",
-           "effective_batch": "2 micro-batches at the CNN's knee or above it, 8 below it",
+           "search_max_batch": f"past the batch that would fill the cap if a sample held half the bytes predicted "
+                               f"(about {fill_if_lighter:,}; {fill:,} at the caching allocator's "
+                               f"{cnn.sample_bytes / 2**20:.2f} MiB a sample on the H100, cuDNN's workspaces "
+                               "included): the searches meet the cap's out-of-memory error even then",
+           "effective_batch": f"{ACCUMULATION_STEPS[-1]} micro-batches of {micro:,}, at most the batch whose arithmetic "
+                              f"lasts as long as a step's fixed cost (SmallCNN's {cnn.knee_at_least:,.0f}): below its "
+                              "knee however well the launches overlap the arithmetic; a batch of all of them is "
+                              f"{effective / cnn.knee_at_least:.1f}× it, past the knee the H100 measured (at "
+                              f"{_h100_knee('SmallCNN') / Step.of(Card.named(MEASURED_ON), 'SmallCNN').knee_at_least:.1f}"
+                              "× it there)",
            "train_seconds": f"the largest batch makes at least {MIN_UPDATES} updates in them (at most "
                             f"{MAX_SECONDS:g})"}
     parts = parts_of(card, sizes, cnn, mlp, student, fill)
     memory = max(cnn.memory_gb(fits[-1]), mlp.memory_gb(fits[-1]), sizes["cap_gb"], cnn.memory_gb(effective),
                  (N_TRAIN + N_TEST) * FEATURES_IN * 4 / 1e9)
-    return LessonPlan("03", TITLE, card, False, sizes, why, parts, memory,
-                      regimes(card, sizes, cnn, mlp, student, fill), target_minutes(card), FEATURES)
+    return LessonPlan("03", TITLE, card, False, sizes, why, parts, memory, regimes(sizes, cnn, mlp, student),
+                      target_minutes(card), FEATURES)
 
 
 def powers(first: int, last: int) -> list[int]:
@@ -144,6 +158,14 @@ def _h100(name: str) -> tuple[float, float, float]:
             float(max(s - arithmetic, 0.0) * card.copy_gbs * 1e9), float(allocator / tensors))
 
 
+@functools.cache
+def _h100_knee(name: str) -> int:
+    """The knee of ``name`` in the H100's shipped rows, as the lesson finds it: the smallest batch within 90 % of the
+    best samples/s."""
+    rows = reference("03_throughput").query("device_name == @MEASURED_ON and model == @name")
+    return int(rows.loc[rows.samples_per_s >= 0.9 * rows.samples_per_s.max(), "batch_size"].min())
+
+
 @dataclass(frozen=True)
 class Step:
     """A training step of one of the lesson's models on a card: ``c + b·s`` seconds at batch ``b``."""
@@ -175,6 +197,12 @@ class Step:
     def knee(self) -> float:
         """The batch whose step spends a tenth of its time on the fixed cost (an upper estimate of the knee)."""
         return 9 * self.c / self.s
+
+    @property
+    def knee_at_least(self) -> float:
+        """The batch whose arithmetic lasts as long as the fixed cost (a lower bound of the knee: below it the step
+        under-uses the card even if its launches hide entirely behind the arithmetic)."""
+        return self.c / self.s
 
     def memory_gb(self, batch: int) -> float:
         return (self.fixed_bytes + batch * self.sample_bytes) / 1e9
@@ -254,24 +282,16 @@ def parts_of(card: Card, sizes: dict, cnn: Step, mlp: Step, student: Step, fill:
 
 # ---- the regimes -------------------------------------------------------------------------------------------------
 
-def regimes(card: Card, sizes: dict, cnn: Step, mlp: Step, student: Step, fill: int) -> tuple[Regime, ...]:
-    top, effective, ks = sizes["batch_sizes"][-1], sizes["effective_batch"], sizes["accumulation_steps"]
-    largest = sizes["convergence_batches"][-1]
+def regimes(sizes: dict, cnn: Step, mlp: Step, student: Step) -> tuple[Regime, ...]:
+    """What the card's rates decide. The searches' out-of-memory error and accumulation's micro-batches below the
+    knee are not among them: their sizes are derived to hold them (``why``)."""
+    top, largest = sizes["batch_sizes"][-1], sizes["convergence_batches"][-1]
     updates = sizes["train_seconds"] / student.seconds(largest)
-    trial = cnn.seconds(fill)
     return (
         *(Regime(f"the sweep goes past {m.name}'s knee", bool(top >= PAST_KNEE * m.knee),
                  f"its step {m.c * 1e3:.1f} ms + {m.s * 1e6:.2f} µs a sample: the fixed cost a tenth of the step "
                  f"from batch {m.knee:,.0f} (the knee, an upper estimate); the sweep goes to {top:,} (at least "
                  f"{PAST_KNEE}×)") for m in (cnn, mlp)),
-        Regime("the searches meet an out-of-memory error within their time", bool(fill < sizes["search_max_batch"]
-                                                                                  and trial <= TRIAL_S),
-               f"a cap of {sizes['cap_gb']:g} GB fills at batch {fill:,} (the caching allocator's "
-               f"{cnn.sample_bytes / 2**20:.2f} MiB a sample, as on the H100, cuDNN's workspaces included: an "
-               f"estimate); a trial there takes {trial:.2f} s (at most {TRIAL_S:g})"),
-        Regime("accumulation's micro-batches cross the knee", bool(effective / 2 >= cnn.knee > effective / ks[-1]),
-               f"micro-batches of {effective // 2:,} at or above SmallCNN's knee ({cnn.knee:,.0f}), of "
-               f"{effective // ks[-1]:,} below it"),
         Regime("the largest batch makes enough updates", bool(updates >= MIN_UPDATES),
                f"batch {largest:,}: {student.seconds(largest) * 1e3:.1f} ms a step, {updates:,.0f} updates in "
                f"{sizes['train_seconds']:g} s (at least {MIN_UPDATES})"),
