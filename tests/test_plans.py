@@ -4,6 +4,10 @@ fits the card's memory, stays in the regime it demonstrates and fits its minutes
 
 import json
 import math
+import os
+import signal
+import sys
+from unittest import mock
 
 import nbformat
 import pytest
@@ -199,6 +203,26 @@ def test_the_lessons_planning_cell_prints_the_commands_plan(number, card_name, m
     command = {entry["lesson"]: entry for entry in json.loads(capsys.readouterr().out)}[number]
     assert scope["plan"].as_dict() == command
     assert printed.startswith(str(scope["plan"])) and "Minutes, part by part" not in printed  # the short form
+
+
+@pytest.mark.parametrize("extra", [["--card", "Tesla T4"], ["--cpus", "4"], ["--gpus", "2"], ["--json"]])
+def test_the_markdown_table_refuses_the_options_it_would_ignore(extra, capsys):
+    assert main(["plan", "--markdown", *extra]) == 2
+    assert "it takes no --card, --cpus, --gpus or --json" in capsys.readouterr().err
+
+
+def test_gpus_without_a_card_is_refused(capsys):
+    assert main(["plan", "--gpus", "2"]) == 2
+    assert "--gpus goes with --card" in capsys.readouterr().err
+
+
+def test_the_command_ends_quietly_when_its_reader_stops_reading(capsys):
+    """`gpulab plan | head` once head has exited: writing raises BrokenPipeError; no traceback, SIGPIPE's status."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as closed_pipe, mock.patch.object(sys, "stdout", closed_pipe):
+        assert main(["plan", "--card", "Tesla T4"]) == 128 + signal.SIGPIPE
+    assert capsys.readouterr().err == ""
 
 
 def test_the_readmes_table_of_minutes_is_the_plans():

@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -54,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
 
         args = _parser().parse_args(argv)
         name = f"gpulab {args.subcommand}"
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return status
+    except BrokenPipeError:  # the reader stopped reading (`gpulab plan | head`): end quietly, as a shell's tools do
+        # Python's signal docs, "Note on SIGPIPE": stdout to devnull, so that the flush at exit cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as stop:  # first: the names below may not be imported yet
         print(f"{name}: stopped by {str(stop) or 'Ctrl-C'}", file=sys.stderr)
         return stopped_status(str(stop))
@@ -88,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                    "('T4'); default: this machine's GPU")
     p.add_argument("--cpus", type=positive(int), help="the host's CPU cores (default: this machine's for its own GPU, "
                    "else the card's typical host: 2 for Colab's T4)")
-    p.add_argument("--gpus", type=positive(int), default=1, help="GPUs in the machine, with --card (default: 1)")
+    p.add_argument("--gpus", type=positive(int), help="GPUs in the machine, with --card (default: 1)")
     p.add_argument("--json", action="store_true", help="a list with one object per lesson")
     p.add_argument("--markdown", action="store_true",
                    help="instead, every lesson's minutes on the six cards learners bring, as the README's table")
@@ -172,11 +179,16 @@ def _plan(args) -> int:
     from ..plans import Card, course, minutes_markdown
 
     if args.markdown:
+        if args.card or args.cpus or args.gpus or args.json:
+            raise UsageError("--markdown prints the README's table for its six cards, each with its typical host: it "
+                             "takes no --card, --cpus, --gpus or --json")
         print(minutes_markdown())
         return 0
+    if args.gpus and not args.card:
+        raise UsageError("--gpus goes with --card: this machine's plan counts its own GPUs")
     if args.card:
         try:
-            card = Card.named(args.card, cpus=args.cpus, gpus=args.gpus)
+            card = Card.named(args.card, cpus=args.cpus, gpus=args.gpus or 1)
         except ValueError as err:
             raise UsageError(str(err)) from None
     elif on_gpu():
