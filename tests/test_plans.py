@@ -225,6 +225,26 @@ def test_the_command_ends_quietly_when_its_reader_stops_reading(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_lesson_warns_when_less_memory_is_free_than_its_plan_needs(monkeypatch, capsys):
+    """On the stand-in's T4, memory held before the lesson plans (a meta tensor: counted by the stand-in's allocator,
+    which mem_get_info subtracts from the card's total, and never allocated) leaves less free than the plan needs."""
+    import torch
+
+    from .cuda_stand_in import installed
+
+    monkeypatch.setenv("GPULAB_QUICK", "0")
+    monkeypatch.delenv("CI", raising=False)
+    with installed("Tesla T4") as gpu:
+        plan = plans.lesson("00", show=False)
+        assert "Warning" not in capsys.readouterr().out
+        held = torch.empty(gpu.card.total_memory - int(plan.memory_gb * 1e9) // 2, dtype=torch.uint8, device="meta")
+        free_gb = torch.cuda.mem_get_info()[0] / 1e9
+        plans.lesson("00", show=False)
+        del held
+    assert capsys.readouterr().out.startswith(f"Warning: {free_gb:.1f} GB of the card's memory is free now, and the "
+                                              f"largest experiment needs {plan.memory_gb:.1f} GB")
+
+
 def test_the_readmes_table_of_minutes_is_the_plans():
     readme = (ROOT / "README.md").read_text()
     table = readme.split("<!-- plan-minutes")[1].split("-->", 1)[1].split("<!-- /plan-minutes -->")[0].strip()

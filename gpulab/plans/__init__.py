@@ -7,6 +7,7 @@ demonstrates; it prints that plan first, with what the card lacks. Quick mode (n
 its small fixed sizes. ``gpulab plan --card NAME`` prints the same plans without a GPU.
 
     plan = plans.lesson("00")        # in a lesson, after the setup cell: printed, then read as plan.sizes_name
+    print(plan.details())            # every size, each part's seconds, each demonstration's regime
 """
 
 import importlib
