@@ -3,11 +3,14 @@ rates, and the input pipeline's model and crop chosen so that the naive pipeline
 
 The input pipeline's point is a GPU that waits for its data. Its cost is the CPU's: one augmented image costs the
 host a few milliseconds whatever the card, while the card's training step shrinks with the card. So the workload is
-the heaviest of ``WORKLOADS`` (ResNet-50 at 128² on an H100, down to SqueezeNet on a T4) whose naive pipeline
+the heaviest of ``WORKLOADS`` (ResNet-50 at 128² on an H100, ResNet-18 at 128² on a T4) whose naive pipeline
 (``num_workers=0``: the training process augments each image, one core) the card trains at least ``STARVE`` times
-faster than it is fed, predicted from the workload's FLOPs (``FlopCounterMode`` on the meta device) at the card's fp32
-rate (TF32 where the card has it: cuDNN's convolutions use it by default) times the share of it the H100's shipped
-ResNet-50 step reached.
+faster than it is fed. A training step with its data on the device is predicted in two parts: its FLOPs
+(``FlopCounterMode`` on the meta device) at the card's achievable fp32 rate (TF32 on tensor cores where the card has
+it: cuDNN's convolutions use it by default; CUDA cores elsewhere), and the rest of the step (normalisation,
+activations, the optimizer, the convolutions' shortfall from a matmul's rate) as memory traffic at the card's
+bandwidth: the bytes the H100's shipped ResNet-50 step moved beyond its arithmetic, per byte of its activations. A
+share of the H100's TF32 rate applied to every card would make a CUDA-core card's step (a T4's) about 3× too slow.
 The fix that feeds the card follows from the host's cores: the loader's workers where every core augmenting keeps up
 with the card, else the batches augmented on the GPU, or the data set on the device (a Colab T4 has 2 vCPUs: more
 workers can buy at most twice the naive rate there). Quick mode keeps its small fixed sizes.
@@ -59,7 +62,6 @@ STARVE = 2.0  # the card trains at least this many times faster than the naive p
 # "One 32×32 augmented sample costs 1.72 ms of one CPU core"). The other end, at the crop of the shipped H100 rows, is
 # read from them (``_anchors``); between the two, the cost is affine in the crop's pixels (estimate).
 SMALL_CROP, SMALL_IMAGE_S = 32, 1.72e-3
-PAGEABLE_GBS = 9.2  # pageable host-to-device copies of 256 MiB on the H100's VM (2026-11-22): the host's memcpy
 RAW_IMAGE_S = 0.3e-3  # a worker's raw uint8 image made and collated, no augmentation (estimate)
 GPU_AUGMENT_PASSES = 8  # the GPU's crop, conversion, normalisation and flip: passes over a float batch (estimate)
 START_S = 10.0  # imports, device facts, NVML (estimate)
@@ -134,13 +136,23 @@ def network(name: str, crop: int) -> Network:
 def _anchors() -> tuple[int, float, float]:
     """From the shipped H100 rows of lesson 02's loader sweep (``gpulab/reference/02_dataloader``): their crop, the
     naive pipeline's seconds an image there (the ``num_workers=0`` rate less the data-on-device rate's share) and the
-    share of the H100's achievable TF32 rate its ResNet-50 step reached with the data on the device."""
+    bytes its ResNet-50 step with the data on the device moved beyond its arithmetic (its time less its FLOPs at the
+    H100's achievable TF32 rate, at the H100's copy bandwidth) per byte of the step's activations."""
     rows = reference("02_dataloader").query("device_name == @MEASURED_ON")
     naive = rows[rows["num_workers"] == 0].iloc[-1]
     crop, ceiling = int(naive["crop"]), float(naive["ceiling_samples_per_s"])
-    flops_per_image = network(naive["model"], crop).flops
-    share = ceiling * flops_per_image / (Card.named(MEASURED_ON).tflops("tf32") * 1e12)
-    return crop, 1 / float(naive["samples_per_s"]) - 1 / ceiling, share
+    net, h100 = network(naive["model"], crop), Card.named(MEASURED_ON)
+    rest_s = 1 / ceiling - net.flops / (h100.tflops("tf32") * 1e12)
+    return crop, 1 / float(naive["samples_per_s"]) - 1 / ceiling, rest_s * h100.copy_gbs * 1e9 / net.activation_bytes
+
+
+@functools.cache
+def pageable_gbs() -> float:
+    """Pageable host-to-device copies of 256 MiB on the H100's VM (``gpulab/reference/02_transfer_bandwidth``): the
+    host's memcpy into the driver's staging buffers sets their rate, whatever the card's link."""
+    rows = reference("02_transfer_bandwidth").query(
+        "device_name == @MEASURED_ON and direction == 'H2D' and memory == 'pageable' and nbytes == @MiB * 256")
+    return float(rows["gbps"].iloc[-1])
 
 
 def image_s(crop: int) -> float:
@@ -149,7 +161,7 @@ def image_s(crop: int) -> float:
     return SMALL_IMAGE_S + (big_s - SMALL_IMAGE_S) * (crop**2 - SMALL_CROP**2) / (big_crop**2 - SMALL_CROP**2)
 
 
-def step_share() -> float:
+def moved_per_activation_byte() -> float:
     return _anchors()[2]
 
 
@@ -171,11 +183,20 @@ class Pipeline:
         return cls(card, network(model, crop), crop * 5 // 4, "tf32" if card.tf32 else "fp32", image_s(crop))
 
     @property
+    def arithmetic_s(self) -> float:
+        """A step's FLOPs at the card's achievable rate in its precision."""
+        return BATCH * self.net.flops / (self.card.tflops(self.precision) * 1e12)
+
+    @property
+    def rest_s(self) -> float:
+        """The rest of a step, as memory traffic: the H100's bytes per byte of activations, at this card's bandwidth."""
+        return BATCH * moved_per_activation_byte() * self.net.activation_bytes / (self.card.copy_gbs * 1e9)
+
+    @property
     def step_s(self) -> float:
-        """A training step with its data on the device: its FLOPs at the card's rate times the H100's step share, or
-        its launches where they take longer."""
-        work = BATCH * self.net.flops / (step_share() * self.card.tflops(self.precision) * 1e12)
-        return max(work, self.launches_s)
+        """A training step with its data on the device: its arithmetic and the rest, or its launches where they take
+        longer."""
+        return max(self.arithmetic_s + self.rest_s, self.launches_s)
 
     @property
     def launches_s(self) -> float:
@@ -190,7 +211,7 @@ class Pipeline:
     def naive_batch_s(self) -> float:
         """A batch of the naive pipeline: the training process augments it, copies it from pageable memory (which waits
         for the step before) and launches the step, which runs while the next batch is augmented."""
-        copy = BATCH * 3 * self.net.crop**2 * 4 / (PAGEABLE_GBS * 1e9)
+        copy = BATCH * 3 * self.net.crop**2 * 4 / (pageable_gbs() * 1e9)
         return max(BATCH * self.image_s + copy + self.launches_s, self.step_s)
 
     @property
@@ -248,10 +269,12 @@ def _full(card: Card, pipe: Pipeline, common: dict) -> LessonPlan:
 def starving(pipe: Pipeline) -> Regime:
     """The naive pipeline leaves the GPU idle: the card trains at least ``STARVE`` times faster than it is fed."""
     ratio = pipe.gpu_rate / pipe.naive_rate
+    cores = "tensor cores" if pipe.precision == "tf32" else "CUDA cores"
     return Regime("the naive pipeline starves the GPU", bool(ratio >= STARVE),
                   f"{pipe.name}: the naive pipeline (one core, {pipe.image_s * 1e3:.2f} ms an image, estimated) feeds "
                   f"{pipe.naive_rate:,.0f} images/s; with its data on the device this card trains {pipe.gpu_rate:,.0f} "
-                  f"({pipe.precision}, at {step_share():.1%} of its rate as the H100's ResNet-50: an estimate): "
+                  f"({cores}: the FLOPs at its {pipe.precision} rate {pipe.arithmetic_s / pipe.step_s:.0%} of a step, "
+                  f"the rest at its memory bandwidth as the H100's ResNet-50 step moved it: an estimate): "
                   f"{ratio:.1f}× (at least {STARVE:g}×), the GPU idle {1 - 1 / ratio:.0%} of the time")
 
 
@@ -299,7 +322,7 @@ def copy_parts(card: Card, sizes: dict) -> list[Part]:
         return n / (card.host_gbs * 1e9) + card.launch_s
 
     def pageable(n):
-        return n / (min(card.host_gbs, PAGEABLE_GBS) * 1e9) + card.launch_s
+        return n / (min(card.host_gbs, pageable_gbs()) * 1e9) + card.launch_s
 
     def fill(n):
         return n / (HOST_FILL_GBS * 1e9)
