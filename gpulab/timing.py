@@ -222,15 +222,25 @@ HOLD_CLOCK_HZ = 2.5e9
 
 def _held_after(call, device: str):
     """What a warm call timed alone follows: the same call, then on a GPU an untimed hold. ``torch.cuda._sleep``
-    (torch/cuda/__init__.py; aten/src/ATen/cuda/Sleep.cu, torch 2.6-2.14) queues one thread spinning for the cycles
-    asked on the current stream, touching no memory: the cache keeps what the call left there."""
+    (torch/cuda/__init__.py; aten/src/ATen/cuda/Sleep.cu, torch 2.7-2.14) queues one thread spinning for the cycles
+    asked on the current stream (of the GPU measured, made current here), touching no memory: the cache keeps what the
+    call left there."""
 
     def before():
         call()
         if on_gpu(device):
-            torch.cuda._sleep(HOLD_CYCLES)
+            with _on_its_queue(device):
+                torch.cuda._sleep(HOLD_CYCLES)
 
     return before
+
+
+def _on_its_queue(device: str | torch.device):
+    """The GPU measured and its current stream made current, so that the calls that take no device
+    (``torch.cuda._sleep``, an event's ``record()``) go to its queue whichever GPU is current. ``torch.cuda.stream``
+    makes the stream's device current too and restores both after (torch/cuda/__init__.py ``StreamContext``;
+    torch/csrc/cuda/Module.cpp ``THCPModule_setStream_wrap`` sets the device of the stream, torch 2.7-2.14)."""
+    return torch.cuda.stream(torch.cuda.current_stream(device))
 
 
 @dataclass(frozen=True)
@@ -246,7 +256,8 @@ def queue_and_run(fn, *, calls: int = 10, device: str | torch.device | None = No
     """``fn()`` split into the host's time to queue it and the GPU's time to run it, per call, over ``calls`` calls
     after one untimed call. The queueing is timed from an empty queue without waiting (``calls`` must stay below
     the launch queue's depth); the running between CUDA events queued behind an untimed hold three times as long as
-    the queueing took, so that the GPU never waits for Python between the events (on the current GPU)."""
+    the queueing took, so that the GPU never waits for Python between the events (the hold and the events on
+    ``device``'s queue, whichever GPU is current)."""
     device = get_device(device)
     fn()
     synced_clock(device)
@@ -257,12 +268,13 @@ def queue_and_run(fn, *, calls: int = 10, device: str | torch.device | None = No
     if not on_gpu(device):
         return QueueAndRun(queue_s, queue_s)
     synced_clock(device)
-    torch.cuda._sleep(math.ceil(3 * queue_s * calls * HOLD_CLOCK_HZ))
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
+    with _on_its_queue(device):
+        torch.cuda._sleep(math.ceil(3 * queue_s * calls * HOLD_CLOCK_HZ))
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(calls):
+            fn()
+        end.record()
     end.synchronize()
     return QueueAndRun(queue_s, begin.elapsed_time(end) / 1e3 / calls)
 

@@ -73,9 +73,12 @@ SURFACE = (
     GpuOnly("A queue held busy while an event is recorded (so an event times the work, not its launch)",
             ("torch.cuda._sleep",),
             "torch/cuda/__init__.py _sleep and aten/src/ATen/cuda/Sleep.cu spin_kernel (one thread spins on clock64 "
-            "on the current stream); an event is stamped when the stream reaches it (torch/cuda/streams.py, Event)",
+            "on the current stream); an event is stamped when the stream reaches it (torch/cuda/streams.py, Event); "
+            "gpulab.timing queues both on the measured GPU under torch.cuda.stream(current_stream(device)), whose "
+            "setStream makes that GPU current (torch/csrc/cuda/Module.cpp THCPModule_setStream_wrap)",
             "lesson 01: warm copies no slower than cold ones at every size; the sync in a loop's GPU time per step "
-            "(gpulab.timing.queue_and_run) at most the loop's time per step transferring once"),
+            "(gpulab.timing.queue_and_run) at most the loop's time per step transferring once; on a machine with two "
+            "GPUs, bench(..., alone=True, device='cuda:1') with cuda:0 current holds cuda:1"),
     GpuOnly("Device memory's theoretical bandwidth, the vector add's ceiling",
             ("memory_clock_rate", "memory_bus_width"),
             "_CudaDeviceProperties (torch/csrc/cuda/Module.cpp): the memory clock and bus width (older torch lacks "

@@ -1,3 +1,4 @@
+import contextlib
 import time
 
 import pytest
@@ -179,21 +180,23 @@ class TwoGpus:
     ``synced`` lists the device of every synchronize() (None: the current device)."""
 
     def __init__(self, monkeypatch, used=(0, 1)):
-        self.synced, self.recorded = [], []
+        self.synced, self.recorded, self.held, self.current = [], [], [], 0
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self.made_current)
+        monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: self.held.append(self.current))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.synced.append(_index(device)))
         monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda index: index in used, raising=False)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", _index(device)))
-        recorded = self.recorded
+        recorded, gpus = self.recorded, self
 
         class Event:
             def __init__(self, enable_timing=False, **_):
                 self.stream = None
 
             def record(self, stream=None):
-                recorded.append(stream)  # None: the current device's current stream
+                recorded.append(stream or ("stream of", gpus.current))  # no stream: the current device's
                 self.stream = stream
 
             def synchronize(self):
@@ -203,6 +206,15 @@ class TwoGpus:
                 return 1.0
 
         monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    @contextlib.contextmanager
+    def made_current(self, stream):
+        """torch.cuda.stream: the stream's device current inside (as torch's setStream does), the one before after."""
+        before, self.current = self.current, stream[1]
+        try:
+            yield
+        finally:
+            self.current = before
 
 
 def _index(device):
@@ -255,6 +267,27 @@ def test_cold_bench_records_its_events_on_the_measured_gpu(monkeypatch):
     assert m.runs == 3 and m.median == pytest.approx(1e-3)
     assert gpus.recorded == [("stream of", 1)] * 6  # begin and end of each run, on cuda:1's stream
     assert set(gpus.synced) == {1}
+
+
+def test_a_warm_call_timed_alone_holds_the_measured_gpu_and_times_it_there(monkeypatch):
+    """The hold (torch.cuda._sleep, which takes no device) went to the current GPU, cuda:0, while the call and its
+    events ran on cuda:1: the events there were not held."""
+    from gpulab import timing
+
+    gpus = TwoGpus(monkeypatch)
+    monkeypatch.setattr(timing.conditions, "snapshot", lambda device=None: timing.conditions.Conditions(0.0, 2))
+    m = bench(lambda: None, device="cuda:1", repeats=3, warmup=0, alone=True)
+    assert m.runs == 3 and gpus.held == [1, 1, 1] and gpus.recorded == [("stream of", 1)] * 6
+    assert gpus.current == 0  # left as it was
+
+
+def test_queue_and_run_holds_and_times_the_measured_gpu(monkeypatch):
+    from gpulab import timing
+
+    gpus = TwoGpus(monkeypatch)
+    split = timing.queue_and_run(lambda: None, calls=4, device="cuda:1")
+    assert gpus.held == [1] and gpus.recorded == [("stream of", 1)] * 2 and gpus.current == 0
+    assert split.run_s == pytest.approx(1e-3 / 4)
 
 
 def test_compare_waits_for_every_gpu_in_use_not_only_the_current_one(monkeypatch):
