@@ -87,7 +87,7 @@ def test_a_t4_trains_in_fp16_with_a_gradscaler_and_skips_bf16_and_tf32(cuda_stan
     assert {p: scaler.is_enabled() for p, (_, _, scaler) in scope["runs"].items()} == {"fp32": False, "fp16": True}
     printed = capsys.readouterr().out
     assert "bf16: skipped here (not native before compute capability 8.0 (this GPU is 7.5)" in printed
-    assert "native bf16 (sm_80+): mixed precision runs in fp16, with a GradScaler" in printed  # the plan says so
+    assert "native bf16 (sm_80+): 16-bit runs in fp16 (training with a GradScaler)" in printed  # the plan says so
     run(scope, "04", "device copy", "n8, low = ")
     assert sorted(set(scope["matmuls"]["precision"].dropna())) == ["fp16", "fp32"]  # swept: no bf16, no TF32
     assert scope["low"] == "fp16"  # n against n - 1 in fp16

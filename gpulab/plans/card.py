@@ -41,8 +41,8 @@ FULL_ON_CPU = "NVIDIA H100 80GB HBM3"
 AMPERE, FP8_FROM, HOPPER = (8, 0), (8, 9), (9, 0)
 # What a card may lack that some lesson uses, and what its lack changes there.
 FEATURES = {
-    "bf16": "native bf16 (sm_80+): mixed precision runs in fp16, with a GradScaler",
-    "tf32": "TF32 tensor cores (sm_80+): fp32 matmuls run on the CUDA cores",
+    "bf16": "native bf16 (sm_80+): 16-bit runs in fp16 (training with a GradScaler)",
+    "tf32": "TF32 tensor cores (sm_80+): fp32 matmuls have only the CUDA cores",
     "flash attention": "flash attention (sm_80+): SDPA runs its memory-efficient kernel",
     "fp8": "FP8 tensor cores (sm_89+): no FP8 matmul",
     "gpm": "GPM (Hopper+): NVML gives no SM occupancy or tensor activity; the profiler's trace says how busy the GPU was",
