@@ -125,6 +125,28 @@ def test_the_page_says_which_state_gets_which_advice_and_that_colab_gets_none(mo
     assert busy.advice() == ""
 
 
+def held_sentence(events_s: list, held_s: list) -> str:
+    """What the timing section prints of the small products timed between events, without and behind the hold."""
+    source = next(s for s in cells("code") if "held = gpulab.Comparison.of(" in s)
+    source = source[source.index('if "CUDA events behind a hold" in ways:'):source.index("sync_ref =")]
+    timed = {("small", "CUDA events"): events_s, ("small", "CUDA events behind a hold"): held_s}
+    medians_us = pd.DataFrame({"small": {way: 1e6 * sorted(t)[len(t) // 2] for (_, way), t in timed.items()}})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(source, {"ways": [way for _, way in timed], "timed": timed, "medians_us": medians_us, "gpulab": gpulab,
+                      "ratio_text": lambda c: f"{c.speedup:.2f}×"})
+    return printed.getvalue()
+
+
+def test_the_hold_is_said_to_remove_the_launch_only_where_it_did():
+    """It was said whatever the verdict: within noise too, where the events behind the hold read as much."""
+    assert "What the hold removes is the launch" in held_sentence([30e-6] * 7, [10e-6, 11e-6, 9e-6, 10e-6, 12e-6,
+                                                                                  10e-6, 11e-6])
+    same = held_sentence([10e-6, 11e-6, 9e-6, 10e-6, 12e-6, 10e-6, 11e-6], [11e-6, 10e-6, 10e-6, 9e-6, 11e-6, 12e-6,
+                                                                            10e-6])
+    assert "within noise" in same and "What the hold removes" not in same and "no difference" in same
+
+
 # ---- run whole, on the CPU and as two cards -----------------------------------------------------------------------
 
 def run_page() -> dict:
