@@ -147,6 +147,19 @@ def test_the_hold_is_said_to_remove_the_launch_only_where_it_did():
     assert "within noise" in same and "What the hold removes" not in same and "no difference" in same
 
 
+def test_the_written_out_pairs_warm_both_up_before_the_first_clock():
+    """Step 1 says "Warm both up", and the written-out interleaved() timed from the first call."""
+    tree = ast.parse(next(s for s in cells("code") if "def interleaved(" in s))
+    scope, happened = {}, []
+    exec(compile(ast.Module([n for n in tree.body if getattr(n, "name", "") == "interleaved"], []), "<page>", "exec"),
+         scope)
+    scope.update(device="cpu", timing=type("timing", (), {"synced_clock": staticmethod(
+        lambda device: happened.append("clock") or float(len(happened)))}))
+    scope["interleaved"](lambda: happened.append("a"), lambda: happened.append("b"), pairs=2, calls=1)
+    assert happened[:3] == ["a", "b", "clock"]
+    assert happened.count("a") == happened.count("b") == 3
+
+
 # ---- run whole, on the CPU and as two cards -----------------------------------------------------------------------
 
 def run_page() -> dict:
