@@ -160,6 +160,14 @@ def test_the_written_out_pairs_warm_both_up_before_the_first_clock():
     assert happened.count("a") == happened.count("b") == 3
 
 
+def test_the_timing_section_names_the_timer_option_lesson_01_sends_the_learner_there_for():
+    """Lesson 01 times its copies with gpulab.bench(..., alone=True) and links #timing for why: the page names it."""
+    lesson = " ".join(c.source for c in nbformat.read(ROOT / "notebooks" / "01_cuda_basics.ipynb", as_version=4).cells)
+    assert "alone=True" in lesson and "how_the_course_measures.ipynb#timing" in lesson
+    timing_section = next(s for s in cells("markdown") if '<a id="timing">' in s)
+    assert "`gpulab.bench(fn, alone=True)`" in timing_section
+
+
 # ---- run whole, on the CPU and as two cards -----------------------------------------------------------------------
 
 def run_page() -> dict:
