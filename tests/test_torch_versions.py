@@ -1,7 +1,10 @@
 """`make test-versions` picks the right torch and torchvision pairs (the index's answers injected: no network)."""
 
+import re
+
 import pandas as pd
 import pytest
+from packaging.version import Version
 
 from gpulab.commands.torch_versions import (
     Pair,
@@ -69,9 +72,14 @@ def test_a_floor_that_does_not_pair_is_refused():
         floor_pair(["torch", "torchvision>=0.21"])
 
 
-def test_the_floor_is_read_from_this_pyproject():
+def test_the_floor_is_read_from_this_pyproject_and_is_the_one_the_readme_states():
+    """The venv of `make test-versions` installs pyproject's lower bounds; the README's Versions section names them."""
     pair = floor_pair(declared_dependencies(ROOT / "pyproject.toml"))
-    assert pair.torch.startswith("torch==2.") and pair.torchvision.startswith("torchvision==0.")
+    stated = re.search(r"\*\*Versions\.\*\* The course needs torch (\S+) or newer \(torchvision (\S+) or newer\)",
+                       (ROOT / "README.md").read_text())
+    assert stated, "README.md's Versions section no longer says 'The course needs torch X or newer (torchvision Y ...'"
+    assert Version(pair.torch.removeprefix("torch==")) == Version(stated[1])
+    assert Version(pair.torchvision.removeprefix("torchvision==")) == Version(stated[2])
 
 
 def test_the_venvs_get_cis_pins_for_everything_but_torch_and_torchvision(tmp_path):
