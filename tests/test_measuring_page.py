@@ -298,3 +298,14 @@ def test_do_bench_runs_on_a_gpu_only_and_the_cpu_says_why_not(page):
     assert ("triton do_bench" in page["agree"].index) == gpu
     assert page["do_bench"] == (["median"] * len(page["rounds"]["triton do_bench"]) if gpu else [])
     assert ("do_bench was not run: it needs a GPU" in page["printed"]) != gpu
+
+
+def test_each_shipped_table_is_introduced_by_what_it_holds(page):
+    """The page showed lesson 01's sync rows and lesson 09's ceilings with no word on what they were."""
+    said = page["printed"]
+    sync = gpulab.reference("01_sync")
+    assert (f"Shipped with the course: twenty {sync['n'].iloc[0]}² products of lesson 01, read each way on "
+            f"{sync['device_name'].iloc[0]} (ms):") in said
+    assert "burst_tflops" not in gpulab.reference("09_ceilings")
+    assert ("Shipped with the course: each precision's ceiling on a real card, at the clock and power it ran at; "
+            "single sustained ceilings, recorded before the course measured a burst:") in said
