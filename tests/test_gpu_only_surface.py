@@ -157,6 +157,29 @@ SURFACE = (
             "GPU kernels (pytorch_flash, fmha_cutlass, cuDNN's) never run here",
             "lesson 09's attention rows: the fused kernels run, memory grows linearly with the sequence; on a T4 "
             "flash and cuDNN are refused and memory-efficient runs"),
+    GpuOnly("PyTorch's choice of SDPA backend on an H100 or H200: cuDNN first where torch and its cuDNN prefer it",
+            ('backend or "(PyTorch\'s choice)"',),
+            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention, read by priority_order "
+            "at the first SDPA call: from torch 2.9 (pytorch/pytorch#162073) sm90/sm100 with cuDNN 9.9 built in, from "
+            "2.10 (#171627) the loaded cuDNN newer than 9.15, unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1; the stand-in "
+            "plays it per version (tests/stand_in_architecture.py prefers_cudnn), read from those pull requests and "
+            "torch's main branch, not at the tags",
+            "lesson 09's backends table: '(PyTorch's choice)' calls aten::_scaled_dot_product_cudnn_attention on an "
+            "H100 or H200 with torch 2.10 or newer and cuDNN 9.16 or newer (as the 2026-11-28 H200 run did: torch "
+            "2.11, cuDNN 9.19), the flash operator with an older cuDNN or TORCH_CUDNN_SDPA_DEPRIORITIZED=1"),
+    GpuOnly("Lesson 09's fp16 attention check on a T4 (T4 only: none within the project's reach)",
+            ("tolerance = dict(atol=3e-2, rtol=3e-2)",),
+            "attention written out in fp16 (cuBLAS's fp16 GEMMs, a softmax of fp16 scores) against SDPA's "
+            "memory-efficient kernel (CUTLASS fmha: fp32 accumulation and softmax, aten/src/ATen/native/transformers/"
+            "cuda/mem_eff_attention); as a T4 the stand-in compares the CPU's own fp16 kernels instead",
+            "lesson 09 on a T4: torch.testing.assert_close(manual, sdpa, atol=3e-2, rtol=3e-2) passes in fp16"),
+    GpuOnly("Lesson 10 on a T4: fp16 autocast with a GradScaler trains as fp32 did (T4 only: none within reach)",
+            ("scaler = torch.amp.GradScaler(device.type, enabled=",),
+            "torch/amp/grad_scaler.py (scale, unscale_ with inf checks, skipped steps, update); fp16's range on the "
+            "GPT's activations and gradients; the race keeps a step whose loss gap is within 0.05 nats or 2 % "
+            "(gpulab/step_races.py same_training). The stand-in runs the scaler on the CPU's fp16 kernels",
+            "lesson 10 full mode on a T4: the 'autocast float16' step and those raced after it (fp16 with its "
+            "GradScaler) within the race's loss gap, none refused for its losses"),
     GpuOnly("TF32 and FP8 numerics on tensor cores",
             ("set_float32_matmul_precision", "_scaled_mm"),
             "torch/backends/cuda/__init__.py (matmul precision: cuBLAS TF32); torch._scaled_mm (FP8, compute "
