@@ -162,3 +162,18 @@ def test_on_two_cores_the_lesson_says_what_more_workers_can_buy(capsys):
     out = said(capsys, 330.0, 1800.0, cores=2, sample_s=3e-3, device_speedup=2.0)
     assert "2 cores augment at most 667 samples/s, 2× what one core feeds, and the model trains at 1800" in out
     assert "More workers cannot buy more cores" in out
+
+
+def test_the_hazards_queue_is_a_derived_size_not_a_regime_that_cannot_fail():
+    """hazard_matmuls is ceil(HOLD_S / one product's time): a regime 'the queue lasts HOLD_S' held by construction.
+    The size says why; the lesson prints whether the copy had finished when its read began."""
+    for card in (T4, H100):
+        plan = plans.plan_for("02", card)
+        assert not any("hazard" in r.name for r in plan.regimes)
+        assert "the lesson prints whether it had" in plan.why["hazard_matmuls"]
+        assert plan.hazard_matmuls * plan02.matmul_s(card, plan02.HAZARD_SIDE) >= plan02.HOLD_S
+
+
+def test_the_plans_launches_leave_out_views_and_host_reads():
+    """ResNet-50's forward and backward dispatch 731 operators; its views launch no kernel."""
+    assert plan02.network("resnet50", 128).ops < 731

@@ -17,6 +17,7 @@ from gpulab import models, plans
 from gpulab.memory import MemoryTracker
 from gpulab.plans import plan05
 from gpulab.plans.card import Card
+from gpulab.plans.predict import step_launches
 
 from .conftest import ROOT
 from .test_memory import run_cell
@@ -160,3 +161,28 @@ def test_the_oom_demo_as_a_t4_in_full_mode_stays_inside_the_planned_cap(cuda_sta
     assert scope["during"] - scope["baseline"] > 512 * MiB and scope["after"] == scope["baseline"]
     assert "within its budget of 1024 MiB" in out and "Cap lifted" in out
     assert cuda_stand_in.tracker.budget == cuda_stand_in.card.total_memory  # the whole card again
+
+
+def test_the_launches_are_counted_from_the_models_step_on_the_meta_device():
+    """A ResidualBlock's kernels and the rest of the step's, counted on the meta device (they were typed in: 17 and
+    30): a real step on the CPU at another depth launches as many, less the host's reads of Adam's step count."""
+    per_block, fixed = plan05.residual_launches()
+    model = models.ResidualMLP(in_features=8, width=8, depth=3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    x, y = torch.randn(2, 8), torch.zeros(2, dtype=torch.long)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert step_launches(step) == 3 * per_block + fixed and per_block >= 10  # LayerNorm, 2 Linear, GELU, the add
+
+
+def test_the_leak_is_a_derived_size_not_a_regime_that_cannot_fail():
+    """Every leak width keeps more than 1 MiB of graph a step, far above the allocator's rounding: said in the leak
+    width's why, not checked as a regime that holds by construction."""
+    for name in ("Tesla T4", "NVIDIA GeForce RTX 4060 Laptop GPU", "NVIDIA H100 80GB HBM3"):
+        plan = plans.plan_for("05", plans.Card.named(name))
+        assert not any("leak" in r.name for r in plan.regimes)
+        assert f"{plan05.leak_bytes(plan.leak_width, plan.val_batch) / 2**20:.1f} MiB" in plan.why["leak_width"]
+    assert plan05.leak_bytes(min(plan05.LEAK_WIDTHS), plan05.VAL_BATCH) > 2**20

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import torchvision
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import flops
 from ..memory import MemoryTracker
@@ -32,7 +31,7 @@ from ..transfers import KiB, MiB
 from ..transfers import sizes as copy_sizes
 from .card import MEASURED_ON, Card
 from .lesson_plan import LessonPlan, Part, Regime, target_minutes
-from .predict import bench_s, compare_s, matmul_s
+from .predict import Launches, bench_s, compare_s, matmul_s
 
 TITLE = "Host↔device transfers and the input pipeline"
 FEATURES = ("tf32", "gpm")
@@ -94,7 +93,7 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
 @dataclass(frozen=True)
 class Network:
     """A torchvision model at one crop as the plan sees it: training FLOPs and activation bytes of one image, the
-    operators a training step dispatches (each about a launch), its parameters."""
+    kernels a forward and backward pass launches (``Launches``), its parameters."""
 
     name: str
     crop: int
@@ -104,29 +103,17 @@ class Network:
     params: int
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the operators dispatched."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @functools.cache
 def network(name: str, crop: int) -> Network:
     """``name`` of torchvision.models with 10 classes, one image at ``crop`` through a training step on the meta device
     (no memory, no time): FLOPs (``gpulab.flops.training_flops``), the tensors alive at the step's peak less the
-    gradients (``gpulab.memory.MemoryTracker``), the operators dispatched. Counted at each crop: a network's strides
+    gradients (``gpulab.memory.MemoryTracker``), the kernels launched. Counted at each crop: a network's strides
     and pools round (SqueezeNet's FLOPs at 128² are not four times its FLOPs at 64²)."""
     with torch.device("meta"):
         model = getattr(torchvision.models, name)(num_classes=10)
         x, y = torch.empty(1, 3, crop, crop), torch.zeros(1, dtype=torch.long)
     params = sum(p.numel() for p in model.parameters())
-    tracker, ops = MemoryTracker(), _Ops()
+    tracker, ops = MemoryTracker(), Launches()
     with tracker, ops:
         count = flops.training_flops(model, x, y, F.cross_entropy)
     return Network(name, crop, float(count.total), float(tracker.peak - 4 * params), ops.count, params)
@@ -256,7 +243,9 @@ def _full(card: Card, pipe: Pipeline, common: dict) -> LessonPlan:
     why = {"copy_bytes": f"the size (16, 64 or 256 MiB) whose pinned copy lasts at least {COPY_S * 1e3:g} ms at this "
                          f"card's {card.host_gbs:.0f} GB/s",
            "prefetch_batch_bytes": "a batch's copy as long as the sweep's largest",
-           "hazard_matmuls": f"about {HOLD_S:g} s of {HAZARD_SIDE}² fp32 products queued before the copy",
+           "hazard_matmuls": f"about {HOLD_S:g} s of {HAZARD_SIDE}² fp32 products queued before the copy (about ten "
+                             f"times the host's read of its {HAZARD_FLOATS * 4 // MiB} MiB, an estimate): the read "
+                             "begins while the copy waits; the lesson prints whether it had",
            "model": f"the heaviest workload whose naive pipeline this card trains at least {STARVE:g}× faster than "
                     "it is fed",
            "workers": f"0, 2, half and all but one of the host's {card.cpu_cores} cores"}
@@ -299,7 +288,6 @@ def copy_regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
     copy_s = copy / (card.host_gbs * 1e9)
     step_s = matmul_s(card, MATMUL_WIDTH, m=copy // (4 * MATMUL_WIDTH), k=MATMUL_WIDTH)  # (rows × 1024) @ (1024²)
     steps = max(1, round(copy_s / step_s))
-    queue_s = sizes["hazard_matmuls"] * matmul_s(card, HAZARD_SIDE)
     return (
         Regime("the largest copy shows the link's rate", bool(copy_s >= 100 * card.launch_s),
                f"{copy // MiB} MiB pinned: {copy_s * 1e3:.2f} ms at {card.host_gbs:.0f} GB/s, "
@@ -307,8 +295,6 @@ def copy_regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
         Regime("the prefetcher's compute matches its copy", bool(abs(steps * step_s - copy_s) <= 0.5 * copy_s),
                f"{steps} matmul step(s) of {step_s * 1e3:.2f} ms against a {copy_s * 1e3:.2f} ms copy (the lesson "
                "measures both and chooses the steps)"),
-        Regime("the hazard's copy waits behind the queue", bool(queue_s >= HOLD_S),
-               f"{sizes['hazard_matmuls']} products of {HAZARD_SIDE}² queued: {queue_s:.2f} s before the copy runs"),
     )
 
 

@@ -10,11 +10,15 @@ when this module is imported). What only a GPU shows (the tensor cores' roof, MF
 
 import functools
 
+import torch
+import torch.nn.functional as F
+
+from .. import tasks
 from ..precision import precision_support
 from ..results import reference
 from .card import MEASURED_ON, Card
 from .lesson_plan import LessonPlan, Part, Regime, target_minutes
-from .predict import bench_s, compare_s, matmul_s
+from .predict import bench_s, compare_s, matmul_s, step_launches
 
 TITLE = "Mixed precision"
 LADDER = [2**i for i in range(8, 14)]  # 256 ... 8192: the sweep's squares
@@ -24,9 +28,6 @@ DEPTH, BATCH, STEPS, POINTS = 3, 4096, 400, 500_000
 UNDERFLOW_POINTS = (16384, 8192, 4096)  # the mean loss of section 4: over the most of these that fit
 START_S = 10.0  # imports, device facts, the task's 500,000 points (estimate)
 CEILING_S = 9.0  # flops.ceiling's search, per precision: 1 s warm-up, twelve shapes of ~0.55 s, 1 s rest (estimate)
-# The aten operations one training step dispatches, each costing about a tiny kernel's launch: counted with a
-# TorchDispatchMode over a bf16 autocast step of the MLP with AdamW (foreach): 102 at depth 2, 132 at depth 3.
-OPS_PER_LAYER, OPS_FIXED = 30, 42
 GPU_BOUND = 2.0  # a step whose GPU work outlasts its launches this many times is the GPU's work: MFU means something
 TENSOR_CORE_ROOF = 2.0  # a product this many times past the ridge point, and 10 launches long, runs at the roof
 FEATURES = ("bf16", "tf32")  # what the lesson turns on where the card has it
@@ -146,8 +147,25 @@ def gpu_s(card: Card, precision: str, sizes: dict) -> float:
     return matmul_flops_s(card, precision, sizes) + rest
 
 
+@functools.cache
+def launches(depth: int) -> int:
+    """The kernels one of the lesson's training steps launches (bf16 autocast, AdamW with foreach, as on a GPU),
+    counted on tiny CPU tensors: autocast has no meta device, and the CPU's casts the Linear layers as CUDA's does."""
+    model = tasks.student_mlp(DIM, 16, depth, CLASSES)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = torch.zeros(4, DIM), torch.zeros(4, dtype=torch.long)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return step_launches(step)
+
+
 def launches_s(card: Card, sizes: dict) -> float:
-    return (OPS_PER_LAYER * sizes["depth"] + OPS_FIXED) * card.launch_s
+    return launches(sizes["depth"]) * card.launch_s
 
 
 def step_s(card: Card, precision: str, sizes: dict) -> float:

@@ -20,12 +20,13 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .. import models
 from ..memory import MemoryTracker
 from .card import Card
 from .lesson_plan import LessonPlan, Part, Regime, target_minutes
-from .predict import compare_s
+from .predict import compare_s, step_launches
 
 TITLE = "GPU memory: where it goes, how to see it, how to make a model fit"
 FEATURES = ("bf16",)
@@ -51,14 +52,8 @@ FRAGMENTATION_MIB = (2048, 1024, 512)
 MEMORY_SHARE = 8  # an experiment that is not the lesson's largest takes at most this fraction of the usable memory
 CUT = 0.4  # checkpointing one block at a time cuts the step's peak by at least this much
 ARITHMETIC = 2.0  # the checkpointed step's kernels outlast its CPU time (launches, checkpoint calls) this many times
-LEAK_SHOWN = 2**20  # a kept validation graph adds at least 1 MiB a step: far above the allocator's rounding
 CONTEXT_GB = 0.78  # the memory a process holds outside PyTorch's allocator (its CUDA context): the H200 printed 742 MiB
 # for this lesson's process (2026-11-28, quick mode); the fragmentation script's process holds as much
-# A ResidualBlock's training step: its operators forward (LayerNorm, two Linear, GELU, the residual add) and backward,
-# each about a launch (a TorchDispatchMode count of one block: 5 forward, 12 backward); Adam's foreach update and the
-# loss add about 30 for the whole step (estimate)
-OPS_PER_BLOCK, OPS_FIXED = 17, 30
-LEAK_OPS = 20  # a step of the leak's WideMLP(depth 2) with SGD, and its validation forward (estimate)
 # Bytes a ResidualBlock's LayerNorm, GELU and residual add read and write per sample, forward and backward, in widths
 # of float32: about 40 passes over its width (estimate); Adam reads and writes about 10 model-sized tensors
 ELEMENTWISE_WIDTHS, ADAM_PASSES = 40, 10
@@ -109,7 +104,9 @@ def _full(card: Card, common: dict, mlp_width: int, ckpt_batch: int) -> LessonPl
                         "card's arithmetic, not its launches, and fits its memory and minutes",
            "ckpt_batch": f"{ckpt_batch // mlp_width} times the width: activations, not weights, fill the step",
            "leak_width": f"the widest whose {LEAK_STEPS} kept validation graphs take at most 1/{MEMORY_SHARE} of the "
-                         "usable memory",
+                         f"usable memory (each {leak_bytes(sizes['leak_width'], VAL_BATCH) / 2**20:.1f} MiB: at the "
+                         f"narrowest, {leak_bytes(LEAK_WIDTHS[-1], VAL_BATCH) / 2**20:.1f} MiB, still far above the "
+                         "allocator's rounding)",
            "oom_mib": f"the largest of 1024, 512, 256 MiB within 1/{MEMORY_SHARE} of the usable memory: the demo's "
                       "cap is what the process holds plus this",
            "fragmentation_mib": "the largest of 2048, 1024, 512 MiB within half of what the lesson's process and the "
@@ -228,8 +225,43 @@ def residual_step(card: Card, width: int, depth: int, batch: int, *, k: int | No
     kernels = ((1 + again) * matmuls / (card.tflops(precision) * 1e12)
                + ((1 + again) * traffic + 4 * ADAM_PASSES * params) / (card.copy_gbs * 1e9))
     segments = math.ceil(depth / k) if k else 0
-    ops = micro_batches * (OPS_PER_BLOCK * depth * (1 + again)) + OPS_FIXED
+    per_block, fixed = residual_launches()
+    ops = micro_batches * (per_block * depth * (1 + again)) + fixed
     return kernels, ops * card.launch_s + segments * CHECKPOINT_CALL_S
+
+
+def _launches(model: torch.nn.Module, optimizer, features: int, validation: bool = False) -> int:
+    """The kernels a training step of ``model`` (on the meta device) launches, and a validation forward after it."""
+    with torch.device("meta"):
+        x, y = torch.empty(4, features), torch.zeros(4, dtype=torch.long)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if validation:
+            F.cross_entropy(model(x), y)
+    return step_launches(step)
+
+
+@functools.cache
+def residual_launches() -> tuple[int, int]:
+    """The kernels a training step of section 4's model launches: (a ResidualBlock's, the rest's: the embedding, the
+    head, the loss and Adam's foreach update), counted on the meta device at one block and two."""
+    def counted(depth):
+        with torch.device("meta"):
+            model = models.ResidualMLP(in_features=16, width=16, depth=depth)
+        return _launches(model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True), 16)
+    one, two = counted(1), counted(2)
+    return two - one, 2 * one - two
+
+
+@functools.cache
+def leak_launches() -> int:
+    """The kernels a step of the leak's WideMLP (depth 2, SGD) and its validation forward launch (meta device)."""
+    with torch.device("meta"):
+        model = models.WideMLP(width=16, depth=2)
+    return _launches(model, torch.optim.SGD(model.parameters(), lr=0.01), IMAGE, validation=True)
 
 
 def step_s(card: Card, sizes: dict, **options) -> float:
@@ -249,8 +281,9 @@ def lesson_parts(card: Card, sizes: dict) -> tuple[Part, ...]:
     weights = IMAGE * leak_w + leak_w * leak_w + leak_w * CLASSES
     train, val = 6 * 64 * weights, 2 * sizes["val_batch"] * weights  # FLOPs of a step at batch 64, of a validation
     leak = sizes["leak_steps"] * (3 * train + 2 * val) / (card.tflops("fp32") * 1e12) + sizes["leak_steps"] * 3 * (
-        2 * LEAK_OPS * card.launch_s)
-    tracker = 2 * (OPS_PER_BLOCK * 2 + OPS_FIXED) * TRACKER_OP_S
+        2 * leak_launches() * card.launch_s)
+    per_block, fixed = residual_launches()
+    tracker = 2 * (per_block * 2 + fixed) * TRACKER_OP_S
     rows = (
         Part("start", START_S, "imports, device facts, NVML (estimate)"),
         Part("sections 1-3: a step on paper and measured, the allocator, activations", SMALL_PARTS_S,
@@ -282,7 +315,6 @@ def regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
     one_high = residual_peak(w, depth, batch, 1, gpu=gpu)[1]
     cut = 1 - one_high / plain_low
     kernels, cpu = residual_step(card, w, depth, batch, k=1)
-    leak = leak_bytes(sizes["leak_width"], sizes["val_batch"])
     held = (kept_bytes(sizes) + CONTEXT_GB * 1e9) / 1e9
     cap = held + sizes["oom_mib"] * 2**20 / 1e9
     beside = held + CONTEXT_GB + sizes["fragmentation_mib"] * 2**20 / 1e9
@@ -298,9 +330,6 @@ def regimes(card: Card, sizes: dict) -> tuple[Regime, ...]:
         Regime("checkpointing's cost is the recomputation, not launches", bool(kernels >= ARITHMETIC * cpu),
                f"one block at a time, the step's kernels {kernels * 1e3:.1f} ms predicted, its launches and "
                f"{depth} checkpoint calls {cpu * 1e3:.1f} ms of CPU (at least {ARITHMETIC:g}×: estimates)"),
-        Regime("the leak stands out", bool(leak >= LEAK_SHOWN),
-               f"each kept validation loss holds {leak / mib:.1f} MiB (at least {LEAK_SHOWN / mib:g} MiB), "
-               f"{sizes['leak_steps'] * leak / mib:,.0f} MiB after {sizes['leak_steps']} steps"),
         Regime("the OOM demo runs out inside its cap, leaving the rest of the card", bool(cap <= card.usable_gb()),
                f"the cap: what the lesson holds by then (about {held:.1f} GB with its CUDA context) plus "
                f"{sizes['oom_mib']} MiB, {cap:.1f} GB of {card.usable_gb():.1f} usable; the step asks for twice the "

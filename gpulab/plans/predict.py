@@ -1,6 +1,9 @@
 """The seconds the course's timers take for a call of known length, and the length of the calls lessons time: the
 plans' arithmetic, written once. Each mirrors the timer's own rule (``gpulab.bench``, ``gpulab.compare``)."""
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from .card import Card
 
 MIN_RUNS, MIN_PAIRS = 5, 6  # gpulab.bench times at least 5 runs; gpulab.compare at least 6 pairs by default
@@ -30,3 +33,25 @@ def matmul_s(card: Card, n: int, precision: str = "fp32", *, m: int | None = Non
 def cpu_matmul_s(card: Card, n: int) -> float:
     """One n×n fp32 matrix product on the host's CPU cores."""
     return 2 * n**3 / (card.cpu_tflops * 1e12)
+
+
+class Launches(TorchDispatchMode):
+    """Counts the kernels a block would launch on a GPU, about: the aten operators it dispatches (on the meta device,
+    or on tiny CPU tensors), less views (no kernel) and reads of a host scalar (``.item()`` of an optimizer's step
+    count, which torch keeps on the CPU: torch/optim/optimizer.py, ``_get_value``, 2.7 to 2.14)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not (func.is_view or func.overloadpacket is torch.ops.aten._local_scalar_dense)
+        return func(*args, **(kwargs or {}))
+
+
+def step_launches(step) -> int:
+    """The kernels ``step()``, a training step, launches after its first call (an optimizer makes its state there)."""
+    step()
+    with Launches() as launches:
+        step()
+    return launches.count
