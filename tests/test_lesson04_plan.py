@@ -2,6 +2,7 @@
 whether it shows MFU) are counted from the lesson's own training step, not typed in."""
 
 import nbformat
+import pytest
 import torch
 
 from gpulab import tasks
@@ -37,3 +38,17 @@ def test_a_view_or_a_host_read_launches_no_kernel():
         x.t().expand(2, 4, 4)
         (x + 1).sum().item()
     assert counted.count == 2  # the add and the sum
+
+
+def test_the_text_names_the_dashed_peak_as_peak_fields_takes_it():
+    """The roofline's dashed peak is flops.ceiling's, or the sweep's fastest product where that beat it
+    (precision.peak_fields); the text said it was always the ceiling section 3 divides by."""
+    from gpulab import flops, precision
+    from gpulab.timing import Measurement
+
+    ceiling = flops.Ceiling("fp32", 1.0, shape=(64, 64, 64))
+    faster = {4096: Measurement("n=4096", (2 * 4096**3 / 2e12,) * 3, "cpu", 1)}  # 2 TFLOP/s
+    assert precision.peak_fields(ceiling, faster)["tflops"] == pytest.approx(2.0)
+    cells = nbformat.read(ROOT / "notebooks" / "04_mixed_precision.ipynb", as_version=4).cells
+    text = " ".join(" ".join(c.source.split()) for c in cells if c.cell_type == "markdown")
+    assert ("the ceiling section 3 divides by, or the fastest matmul of the sweep if that was faster still" in text)
