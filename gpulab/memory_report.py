@@ -193,10 +193,12 @@ def timeline(events: pd.DataFrame, *, title: str) -> None:
 REMEDIES = {
     "activations": ["a smaller micro-batch with gradient accumulation (lesson 03): same effective batch",
                     "mixed precision (lesson 04): activations in 2 bytes",
-                    "activation checkpointing (section 4): about a third more compute"],
+                    "activation checkpointing (section 4): its blocks' forward run again in the backward (what "
+                    "that costs depends on the model: section 4 measures it)"],
     "optimizer state": ["an optimizer with less state (SGD with momentum keeps half of Adam's)",
-                        "fused=True or foreach=False (section 9): no temporaries the size of the model at step()",
-                        "shard the state across GPUs (ZeRO / FSDP, lesson 07), or offload it to the CPU"],
+                        "shard the state across GPUs (ZeRO / FSDP, lesson 07), or offload it to the CPU",
+                        "not the state itself but the peak at step(): fused=True or foreach=False (section 9) add no "
+                        "temporaries the size of the model beside it"],
     "gradients": ["zero_grad(set_to_none=True): no gradients between steps",
                   "shard the gradients across GPUs (FSDP, lesson 07)"],
     "parameters": ["train in bf16 with fp32 master weights only where needed, or a smaller model",

@@ -458,3 +458,18 @@ def test_the_solution_notebook_holds_the_solution_each_question_shows(question):
     notebook = nbformat.read(ROOT / "solutions" / "05_memory.ipynb", as_version=4)
     answers = [code_lines(c.source) for c in notebook.cells if "### BEGIN SOLUTION" in c.source]
     assert code_lines(question.solution_text) in answers
+
+
+def test_the_advice_for_a_step_dominated_by_adams_state_does_not_claim_fused_adam_cuts_the_state(capsys):
+    """Lesson 05's WideMLP at width 4096: Adam's state 352 MiB against 48 MiB of activations. fused=True and
+    foreach=False cut step()'s temporaries, not the state; and what checkpointing costs depends on the model."""
+    import pandas as pd
+
+    from gpulab import memory_report
+
+    parts = pd.Series({"parameters": 176.0, "gradients": 176.0, "optimizer state": 352.0, "activations": 48.0})
+    assert memory_report.advise(parts, "a WideMLP step") == "optimizer state"
+    remedies = capsys.readouterr().out.split("Try, in this order:")[1]
+    fused = next(line for line in remedies.splitlines() if "fused=True" in line)
+    assert fused.strip().startswith("- not the state itself but the peak at step()")
+    assert "a third" not in " ".join(memory_report.REMEDIES["activations"])
