@@ -124,14 +124,17 @@ class FixPath:
     under the profiler; it returns the trace and a function that trains that run ``steps`` steps more, unprofiled (one
     timed run). ``start_s`` is the seconds of one run of the starting loop (to plan the first race); ``comparing`` the
     options of ``gpulab.compare`` for each race, ``against_start`` for a race against the starting loop (whose runs
-    are long); ``startup_s`` the seconds a fix's first call costs (compiling), the first time and again. Every verdict
-    goes to the results log ``log`` as it is given, with ``columns`` (the loop's sizes) in each row."""
+    are long); each call a race times is one run (``number=1``: compare sizes no blocks with calls of its own, which
+    the plan would not count); ``startup_s`` the seconds a fix's first call costs (compiling), the first time and
+    again. Every verdict goes to the results log ``log`` as it is given, with ``columns`` (the loop's sizes) in each
+    row."""
 
     def __init__(self, profiled_loop: Callable, *, steps: int, start_s: float, budget: racing.Budget, comparing: dict,
                  against_start: dict, startup_s: dict | None = None, start: str = "slow", log: str = "06_fixes",
                  columns: dict | None = None):
         self.profiled_loop, self.steps, self.start, self.budget = profiled_loop, steps, start, budget
-        self.comparing, self.against_start, self.startup_s = comparing, against_start, startup_s or {}
+        self.comparing, self.against_start = {**comparing, "number": 1}, {**against_start, "number": 1}
+        self.startup_s = startup_s or {}
         self.log, self.columns = ResultLog(log), columns or {}
         self.fixes, self.parts, self.runs, self.why, self._started = {}, {}, {}, {}, set()
         self.seconds = {start: start_s}  # one timed run of each configuration, as measured so far

@@ -19,6 +19,7 @@ import torch
 import gpulab
 from gpulab import fix_path, racing, traces
 from gpulab.comparison import Comparison
+from gpulab.plans.predict import compare_s
 from gpulab.timing import Measurement
 
 from .test_mfu_lessons_03_04 import code
@@ -281,6 +282,23 @@ def small_path(traces_by_fix: dict, timings: dict, monkeypatch, budget=None, sta
                             startup_s=startup_s)
 
 
+def test_a_race_runs_the_calls_its_plan_counts(results_dir):
+    """gpulab.compare sized its blocks with one call of each side before its pairs, which the plan's compare_s does not
+    count: each race after the first ran a pair more than planned (about 14 %). A race's calls are runs of several
+    steps: one call a run (number=1), as many calls as the plan counts."""
+    calls = {"": 0, "data on the device": 0}
+
+    def loop(fixes):
+        name = fixes[-1] if fixes else ""
+        return loop_trace(IDLE), lambda: calls.__setitem__(name, calls[name] + 1)
+
+    path = fix_path.FixPath(loop, steps=4, start_s=0.4, budget=racing.Budget(), comparing=dict(min_time=0.0),
+                            against_start=dict(min_time=0.0))
+    path.run([("data on the device", ["data"])])
+    planned = compare_s(1.0, 1.0, min_time=0.0) / 2  # the calls of each side in a race of 1-second calls
+    assert calls == {"": planned, "data on the device": planned} == {"": 7, "data on the device": 7}
+
+
 FIXES = [("data on the device", ["data"]), ("no .item() per step", ["waits"]),
          ("torch.compile + CUDA graphs", ["forward", "backward"])]
 
@@ -364,3 +382,4 @@ def test_mixed_precision_trains_in_the_cards_precision_with_a_scaler_only_for_fp
     fixes = ["augment on the device", "vectorised", "mixed precision", "no .item() per step"]
     loss = scope["train"](*scope["make_run"](fixes), 3, fixes)
     assert math.isfinite(loss) and scalers[-1] is scaled
+
