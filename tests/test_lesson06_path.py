@@ -9,6 +9,8 @@ lesson's own from the 2026-11-28 H200 run in quick mode (tests/data/lesson06/REA
 why."""
 
 import ast
+import contextlib
+import itertools
 import math
 from pathlib import Path
 
@@ -383,3 +385,36 @@ def test_mixed_precision_trains_in_the_cards_precision_with_a_scaler_only_for_fp
     loss = scope["train"](*scope["make_run"](fixes), 3, fixes)
     assert math.isfinite(loss) and scalers[-1] is scaled
 
+
+# ----- the loop with any subset of the fixes the races keep ----------------------------------------------------------
+
+# Every subset of the fixes that compile nothing: the races keep any of them, as the noise decides (128 loops)
+SUBSETS = [list(s) for n in range(8) for s in itertools.combinations(ORDER[:-1], n)]
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")  # the stand-in's CPU
+@pytest.mark.parametrize("card", [None, "Tesla T4"], ids=["cpu", "t4"])
+def test_the_loop_trains_with_every_subset_of_the_fixes(card, monkeypatch, results_dir):
+    """make_run() and train() take whatever the races keep: a race within noise once dropped 'augment on the device'
+    and left the data on the device in uint8, which the per-image standardisation then refused ('mean(): ... Got:
+    Byte'). Two steps of each of the 128 subsets of the seven fixes that compile nothing, on the CPU and on the CPU
+    playing a T4 (its GPU branches: pinned copies, fp16 autocast with a GradScaler): each trains to a finite loss.
+    (An L4's bf16 branch: test_mixed_precision_trains_in_the_cards_precision_with_a_scaler_only_for_fp16.)"""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    monkeypatch.setattr(gpulab, "bench", lambda fn, *args, label=None, **kw: Measurement(label, (0.05,) * 3, "cpu", 1))
+    failed = {}
+    with contextlib.ExitStack() as stack:
+        if card:
+            from .cuda_stand_in import installed
+            stack.enter_context(installed(card))
+        scope = lesson_scope("n_images = batch_size * (steps + 1)", "def make_run(")
+        scope["batch_size"] = 4  # the loaders' batch: at the lesson's, the per-image pipeline takes most of the test
+        for fixes in SUBSETS:
+            try:
+                loss = scope["train"](*scope["make_run"](fixes), 2, fixes)
+            except Exception as error:  # noqa: BLE001 - every failing subset is reported, with its error
+                failed[" + ".join(fixes)] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            else:
+                if not math.isfinite(loss):
+                    failed[" + ".join(fixes)] = f"loss {loss}"
+    assert len(SUBSETS) == 128 and not failed, failed
