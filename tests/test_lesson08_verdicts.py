@@ -5,7 +5,6 @@ the races spend one budget, only while they run, and a race that would not fit i
 them: tests/test_lesson08_plan.py). Injected runs decide; the measurements run in quick mode on this CPU."""
 
 import math
-import time
 
 import pandas as pd
 import pytest
@@ -264,7 +263,7 @@ def test_time_spent_reading_between_the_noise_and_the_path_costs_no_race(lesson,
 
 
 def test_a_race_that_would_not_end_within_the_budget_is_not_started():
-    budget = racing.Budget(100.0, started=time.perf_counter() - 90.0)  # 10 s left
+    budget = racing.Budget(100.0, started=0.0, clock=lambda: 90.0)  # 10 s left, on a clock that stands still
     assert budget.refuses(5.0) is None and "planned 20 s, 10 s of the lesson's budget left" in budget.refuses(20.0)
     races.update({"sync": a_race(1.0), "fast": a_race(3.0)})
     path, _ = a_path()
