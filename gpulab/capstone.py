@@ -64,8 +64,10 @@ class Sizes:
 
 
 # Quick mode's few steps want a small batch: 4x the batch there leaves 18 steps, too few to learn the task. Lesson 08
-# sizes its job from the card (gpulab/plans/plan08.py: the full network on the fastest cards, narrower ones and fewer
-# images where the path would not fit its minutes); the exercise's check trains these.
+# and its exercise's check (gpulab.questions.lesson08.job()) train the job the plan sizes from the card
+# (gpulab/plans/plan08.py: FULL_SIZES' recipe, with the full network on the fastest cards and narrower ones and fewer
+# images where the path would not fit its minutes; QUICK_SIZES in quick mode); SIZES holds the mode's batch and learning
+# rate where none is given (slow_train).
 FULL_SIZES = Sizes((64, 256, 512, 1024), 16_384, 4096, 5, 4, 256, 0.1, 4)
 QUICK_SIZES = Sizes((4, 8, 16, 32), 1536, 1024, 3, 3, 64, 0.05, 2)
 SIZES = by_mode(full=FULL_SIZES, quick=QUICK_SIZES)
