@@ -43,6 +43,8 @@ class Races:
     base: dict  # every option switched off: the naive recipe's
     budget_s: float = math.inf
     compile_s: float = plan08.COMPILE_S
+    compile_again_s: float = plan08.COMPILE_AGAIN_S  # a step's compile tried again, which reuses what is cached
+    planned_rates: plan08.Rates | None = None  # the plan's rates: a configuration not measured yet is planned from them
     log: ResultLog | None = None
     device: torch.device = field(default_factory=get_device)
     amp_dtype: torch.dtype = torch.bfloat16  # what autocast trains in where a configuration asks for it
@@ -102,60 +104,72 @@ class Races:
 
     # ---- the noise, then the path ---------------------------------------------------------------------------------
 
-    def measure_noise(self, seeds=capstone.NOISE_SEEDS) -> list[racing.Run]:
-        """Other seeds of the job with its data on the device, each trained to the end (the first always, a later one
-        where it fits what is left of the budget at the rate measured so far): with the first race's baseline, their
-        accuracies are the job's spread; seed 1's first round is what another seed's losses look like. Then the naive
-        job's first round from seed 1, the first race's yardstick."""
+    def measure_noise(self, steps=(), seeds=capstone.NOISE_SEEDS) -> list[racing.Run]:
+        """Other seeds of the job with its data on the device, each trained to the end: with the first race's baseline,
+        their accuracies are the job's spread; the first seed's first round is what another seed's losses look like.
+        Then the naive job's first round from that seed, the first race's yardstick. The first seed always trains; a
+        later one only where what is left of the budget after it still holds the races of ``steps`` ((name, options,
+        not_here) each) as planned at the rates measured so far (``plan``): the races come first."""
         rounds, self.noise = self.job.epochs * self.job.rounds, []  # a cell run again measures again
         with self.budget.spending():
             for seed in seeds:
-                rate = self.rates.get(key(DEVICE_JOB))
-                why = self.budget.refuses(self.run_s(DEVICE_JOB)) if rate and self.noise else None
-                if why:
-                    print(f"seed {seed} of the job {why}")
-                    continue
+                if self.noise:
+                    races_s = self.plan(steps, noise_seeds=()).planned_s.sum()
+                    why = self.budget.refuses(self.run_s(DEVICE_JOB) + races_s)
+                    if why:
+                        print(f"seed {seed} of the job not trained: with it, the noise and the races planned at "
+                              f"{self.run_s(DEVICE_JOB) + races_s:.0f} s, {max(self.budget.left(), 0):.0f} s of the "
+                              f"lesson's budget left; the spread has {len(self.noise) + 1} runs, its margin is wider")
+                        continue
                 run, evaluate = self.session(DEVICE_JOB, seed)
                 self.noise.append(racing.alone(run, rounds=rounds, samples_per_round=self.images_per_round(DEVICE_JOB),
                                                label=f"seed {seed}", evaluate=evaluate, evaluate_every=self.job.rounds,
                                                device=self.device))
                 self.rates[key(DEVICE_JOB)] = statistics.median(r.samples_per_s for r in self.noise)
-            self.first_rounds[key(DEVICE_JOB)] = self.noise[0].losses[:1]
-            self.other_seed(None)
+                if len(self.noise) == 1:
+                    self.first_rounds[key(DEVICE_JOB)] = self.noise[0].losses[:1]
+                    self.other_seed(None)
         return self.noise
 
     def run_s(self, options: dict | None) -> float:
         """One run of a configuration at the rate measured for it (the job with its data on the device where not yet
         measured), with its evaluations."""
-        rate = self.rates.get(key(options)) or self.rates[key(DEVICE_JOB)]
-        evaluations = self.job.epochs * len(self.data.test_labels) / (3 * self.rates[key(DEVICE_JOB)])
-        return self.job.epochs * self.job.rounds * self.images_per_round(options) / rate + evaluations
+        return self.job.epochs * self.job.rounds * self.images_per_round(options) / self.rate(options) + self.evaluations()
+
+    def evaluations(self) -> float:
+        """One run's evaluations, at the rate measured for the job with its data on the device."""
+        return plan08.evaluation_s(self.job.epochs, len(self.data.test_labels), self.rates[key(DEVICE_JOB)])
 
     def rate(self, options: dict | None) -> float:
-        """A configuration's images/s as planned now: the naive job's and the data-on-the-device job's as measured;
-        the later steps', which are meant to be faster, at the latter's."""
-        per_sample = options is None or options.get("pipeline", self.base["pipeline"]) == "per-sample"
-        return self.rates[key(None if per_sample else DEVICE_JOB)]
+        """A configuration's images/s as planned now: as measured where it was (the naive job, the job with its data
+        on the device, each configuration raced); another at the measured rate of the job with its data on the device
+        times the plan's ratio of the two (``planned_rates``: mixed precision faster; none: the same)."""
+        if key(options) in self.rates:
+            return self.rates[key(options)]
+        if options is None or options.get("pipeline", self.base["pipeline"]) == "per-sample":
+            return self.rates[key(None)]
+        measured, planned = self.rates[key(DEVICE_JOB)], self.planned_rates
+        return measured * planned.of(options) / planned.device if planned else measured
 
-    def plan(self, steps) -> pd.DataFrame:
-        """The noise and each step's race (``steps``: (name, options, not_here)), in seconds, from the rates measured
-        so far, as ``gpulab plan`` plans them from the card's."""
+    def plan(self, steps, noise_seeds=None) -> pd.DataFrame:
+        """The noise (``noise_seeds``: the seeds trained, by default) and each step's race (``steps``: (name, options,
+        not_here)), in seconds, from the rates measured so far, as ``gpulab plan`` plans them from the card's."""
+        seeds = [int(r.label.removeprefix("seed ")) for r in self.noise] if noise_seeds is None else noise_seeds
         rows = plan08.path_seconds([(n, o) for n, o, not_here in steps if not not_here], self.rate, self.job,
-                                   self.compile_s)
-        return pd.DataFrame(rows, columns=["part", "planned_s"])
+                                   self.compile_s, noise_seeds=seeds)
+        return pd.DataFrame(rows[0 if seeds else 1:], columns=["part", "planned_s"])
 
     def planned(self, name: str, options: dict) -> float:
-        """A race's seconds from the rates measured so far (the candidate at the kept configuration's), another seed's
-        first round, the compilation where the candidate compiles and the kept configuration does not (a retry reuses
-        compiled code), and both runs' evaluations."""
-        kept_name, kept = self.path.current
+        """A race's seconds as ``gpulab plan`` plans it (``plan08.race_seconds``), at the rate measured for the kept
+        configuration, with the compilation where the candidate compiles and the kept configuration does not (a retry
+        reuses what is cached: ``compile_again_s``) and both runs' evaluations."""
+        kept = self.path.current[1]
         candidate = {**(kept or {}), **options}
         compiles = candidate.get("compile") and not (kept or {}).get("compile")
-        startup = (plan08.COMPILE_AGAIN_S if "(again)" in name else self.compile_s) if compiles else 0.0
-        rate = self.rates[key(kept)]
-        images = self.job.epochs * self.job.rounds * self.images_per_round(candidate)
-        evaluations = 2 * self.job.epochs * len(self.data.test_labels) / (3 * self.rates[key(DEVICE_JOB)])
-        return racing.planned_seconds([images, images, self.images_per_round(kept)], [rate] * 3, startup + evaluations)
+        startup = (self.compile_again_s if "(again)" in name else self.compile_s) if compiles else 0.0
+        images = self.images_per_round(candidate)
+        return plan08.race_seconds(self.job.epochs * self.job.rounds * images, images, self.rates[key(kept)],
+                                   startup + 2 * self.evaluations())
 
     def refused(self, name: str, options: dict) -> str | None:
         """Why this race is not started now (None: it fits in the budget, and says so). The first race always runs:
@@ -163,7 +177,7 @@ class Races:
         seconds = self.planned(name, options)
         why = self.budget.refuses(seconds) if self.path.rows else None
         if not why:
-            left = "" if math.isinf(self.budget.seconds) else f", {self.budget.left():.0f} s left"
+            left = "" if math.isinf(self.budget.seconds) else f", {max(self.budget.left(), 0):.0f} s left"
             print(f"racing {name}: planned {seconds:.0f} s{left}")
         return why
 

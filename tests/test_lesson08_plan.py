@@ -86,11 +86,12 @@ def test_the_lessons_steps_on_a_gpu_are_the_plans(card_name):
 
 class PlayedRates:
     """``racing.alone`` and ``racing.race`` replaced: each round takes its images over the configuration's planned rate
-    (plan08.Rates) on a fake clock, which also advances by the evaluations and a first compile; the losses are the
-    same for every configuration, so each step is judged as training the same job."""
+    (plan08.Rates; the GPU's at ``share`` of it) on a fake clock, which also advances by the evaluations and a first
+    compile; the losses are the same for every configuration, so each step is judged as training the same job."""
 
-    def __init__(self, card, job, amp, compile_s):
-        self.now, self.rates, self.job, self.compile_s = 0.0, plan08.Rates.planned(card, job, amp), job, compile_s
+    def __init__(self, card, job, amp, compile_s, share=1.0):
+        self.now, self.job, self.compile_s = 0.0, job, compile_s
+        self.rates = plan08.Rates.planned(card, job, amp).slower(share)
 
     def run(self, options, rounds, label="") -> racing.Run:
         images = replace(self.job, batch=(options or {}).get("batch", self.job.batch)).images_per_round
@@ -115,20 +116,21 @@ class PlayedRates:
         monkeypatch.setattr(racing, "race", race)
 
 
-def played_path(monkeypatch, card, job, budget_s, compile_s, amp):
-    played = PlayedRates(card, job, amp, compile_s)
+def played_path(monkeypatch, card, job, budget_s, compile_s, amp, share=1.0):
+    played = PlayedRates(card, job, amp, compile_s, share)
     data = capstone.ImageData(torch.zeros(job.n_train, 3, 32, 32, dtype=torch.uint8),
                               torch.zeros(job.n_train, dtype=torch.long), torch.zeros(0), torch.zeros(job.n_test))
     base = dict(pipeline="per-sample", batch=job.batch, lr=job.lr, sync_each_step=True, amp=False,
                 channels_last=False, fused=False, compile=None, cuda_graph=False)
     races = capstone_races.Races(None, None, data, job, base, budget_s=budget_s, compile_s=compile_s,
-                                 device=torch.device("cpu"))
+                                 planned_rates=plan08.Rates.planned(card, job, amp), device=torch.device("cpu"))
     races.budget = racing.Budget(budget_s, clock=lambda: played.now).pause()
     played.install(monkeypatch, races)
     monkeypatch.setattr(capstone_races.Races, "not_captured", lambda self, options: None)  # a GPU that captures
-    races.measure_noise()
+    steps = [(name, options, None) for name, options in plan08.steps(job, amp)]
+    races.measure_noise(steps)
     played.now += 600.0  # the learner reads the plan for ten minutes: no budget spent
-    path = races.run_path([(name, options, None) for name, options in plan08.steps(job, amp)])
+    path = races.run_path(steps)
     return path, played
 
 
@@ -143,6 +145,62 @@ def test_on_a_t4s_plan_every_step_races_within_the_budget(monkeypatch):
     assert all(row.get("verdict") for row in steps), steps  # raced: a verdict, not "not raced"
     assert [row["kept"] for row in steps[:2]] == [True, True]  # the data on the GPU and fp16: faster at the plan's rates
     assert played.now - 600.0 <= plan.budget_s
+
+
+@pytest.mark.parametrize("share, seeds, refused", [(plan08.SLOWER, 2, []), (0.5, 2, []), (0.4, 1, []),
+                                                   (0.3, 1, ["torch.compile"])])
+def test_on_a_t4_the_path_races_every_step_that_fits_at_rates_below_the_plans(monkeypatch, capsys, share, seeds,
+                                                                              refused):
+    """A T4 reaches less of its peak than the H100 its planned rates are scaled from. Played with its GPU at ``share``
+    of them: at plan08.SLOWER (the plan's regime) the noise's two seeds and all seven races fit; the second seed trains
+    only where the races still fit after it (below half the rates, they come first); further down, a race that would
+    not end in the time left is refused, saying so, the others still race, and the clock stops within the budget."""
+    plan = plans.plan_for("08", T4)
+    path, played = played_path(monkeypatch, T4, plan.job, plan.budget_s, plan.compile_s, plan.amp, share)
+    names = [name for name, _ in plan08.steps(plan.job, plan.amp)]
+    steps = {row["step"]: row for row in path.rows}
+    assert [row["step"] for row in path.rows[:7]] == names
+    assert [name for name in names if not steps[name].get("verdict")] == refused
+    assert all(steps[name]["note"].startswith("not raced: planned") for name in refused)
+    assert capsys.readouterr().out.count("seed 2 of the job not trained") == 2 - seeds
+    assert played.now - 600.0 <= plan.budget_s
+
+
+def test_a_race_is_planned_as_the_plan_prices_it(monkeypatch):
+    """The plan's regime and the lesson's refusals price a race alike (plan08.race_seconds): both sides and another
+    seed's round at the rate of the configuration raced, its compile and both runs' evaluations. At the plan's own
+    rates, each race the lesson plans before it starts is the plan's."""
+    plan = plans.plan_for("08", T4)
+    planned = []
+    refused = capstone_races.Races.refused
+    monkeypatch.setattr(capstone_races.Races, "refused", lambda self, name, options: (
+        planned.append((name, self.planned(name, options))), refused(self, name, options))[1])
+    monkeypatch.setattr(plan08.Rates, "planned", classmethod(lambda cls, card, job, amp: plan.rates))
+    played_path(monkeypatch, T4, plan.job, plan.budget_s, plan.compile_s, plan.amp)
+    races = [(name.removeprefix("race: "), s) for name, s in plan08.path_seconds(plan08.steps(plan.job, plan.amp),
+                                                                                 plan.rates.of, plan.job,
+                                                                                 plan.compile_s)[1:]]
+    assert [name for name, _ in planned[:7]] == [name for name, _ in races]
+    assert [s for _, s in planned[:3]] == pytest.approx([s for _, s in races[:3]], rel=1e-6)
+
+
+def test_a_retried_compile_is_planned_on_the_hosts_cores_as_the_first_one():
+    """A step's torch.compile tried again was planned at 10 s on any host, while the first compile on a T4's 2 cores
+    was planned at 70.7 s: the retry is scaled by the host's cores as the first compile is (and as lessons 06 and 10
+    scale theirs), and the lesson's races plan it with the plan's number."""
+    t4, h200 = plans.plan_for("08", T4), plans.plan_for("08", H200)
+    assert h200.compile_again_s == plan08.COMPILE_AGAIN_S and h200.compile_s == plan08.COMPILE_S  # 16 cores
+    assert t4.compile_again_s == round(plan08.COMPILE_AGAIN_S * math.sqrt(16 / 2), 1) == 28.3
+    job = t4.job
+    data = capstone.ImageData(torch.zeros(job.n_train, 3, 32, 32, dtype=torch.uint8),
+                              torch.zeros(job.n_train, dtype=torch.long), torch.zeros(0), torch.zeros(0))
+    races = capstone_races.Races(None, None, data, job, {}, compile_s=t4.compile_s, compile_again_s=t4.compile_again_s,
+                                 device=torch.device("cpu"))
+    kept = {"pipeline": "device", "fused": True}
+    races.rates = {capstone_races.key(capstone_races.DEVICE_JOB): math.inf, capstone_races.key(kept): math.inf}
+    races.path = racing.Path(races.race, judge=lambda raced: None, current=("fused SGD", kept))
+    assert races.planned("torch.compile", {"compile": "default"}) == t4.compile_s
+    assert races.planned("torch.compile (again)", {"compile": "default"}) == t4.compile_again_s
 
 
 def test_the_old_sizes_on_a_t4_race_one_step_of_seven(monkeypatch):

@@ -52,9 +52,9 @@ def test_every_part_has_a_planning_number_measured_with_its_gpu_and_date_or_mark
         else:
             assert minutes.source().startswith("estimate: ")
     # the H200 run's measurement (its log.txt): the smoke run 119 s + 37 s; lesson 08 never finished a full run (its
-    # own plan: 2.4 min, 3 at most)
+    # own plan: 3.0 min at most, its budget's end)
     assert PLANNED["smoke"].measured and PLANNED["smoke"].minutes == 2.6
-    assert not PLANNED["08"].measured and "2.4 min" in PLANNED["08"].basis and not PLANNED["09"].measured
+    assert not PLANNED["08"].measured and "3.0 min" in PLANNED["08"].basis and not PLANNED["09"].measured
     h100 = plans.Card.named(H100)
     for key in ("05", "06", "07", "08", "09", "10", "11"):  # the entries that quote the lesson's own plan
         assert PLANNED[key].minutes == round(plans.plan_for(key, h100).minutes, 1), key
@@ -147,10 +147,10 @@ def test_make_verify_gpu_plan_on_the_h200_starts_with_what_broke_there_on_2026_1
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()[2:15]]
     assert [row[0] for row in rows[:4]] == ["smoke", "08", "10", "00"]
-    # 08 runs after the smoke run (2.6 + 2.4 min), stopped at 8 minutes at most; then 10, the failed waterfall (3.0 min
-    # of the 5.0 left, less the 0.75 kept for the end), stopped at twice its minutes
-    assert rows[1][1:6] == ["2.4", "8.0", "runs,", "ends", "by"] and rows[1][6] == "5.0"
-    assert rows[2][1:7] == ["3.0", "6.0", "runs,", "ends", "by", "8.0"]
+    # 08 runs after the smoke run (2.6 + 3.0 min), stopped at 8 minutes at most; then 10, the failed waterfall (3.0 min
+    # of the 4.4 left, less the 0.75 kept for the end), stopped at twice its minutes
+    assert rows[1][1:6] == ["3.0", "8.0", "runs,", "ends", "by"] and rows[1][6] == "5.6"
+    assert rows[2][1:7] == ["3.0", "6.0", "runs,", "ends", "by", "8.6"]
     assert "timed out last time on NVIDIA H200 (2026-11-28: stopped at its 6.0-minute limit)" in out
     assert "failed last time on NVIDIA H200 (2026-11-28, as 09_transformers: code cell 19: RuntimeError" in out
     assert "the kernel died" not in out  # the 08 row's detail, as the run wrote it, is not repeated

@@ -71,9 +71,10 @@ PLANNED = {
                    "(the slow loop at batch 32, its profile and HTA ~20 s, three torch.compile runs; estimates)"),
     "07": estimate(1.4, "the lesson's own plan: 1.4 min on an H100 or H200 with one GPU (gloo launches on the CPU ~5 s "
                    "each, a one-rank NCCL run at the planned width; estimates)"),
-    "08": estimate(2.4, "the lesson's own plan: 2.4 min on an H100 or H200 (gpulab plan: the noise seeds and the seven "
-                   "races inside one 135 s budget, the naive job at the 2026-11-28 H200's ~3,250 images/s of per-sample "
-                   "pipeline, the fast rates and the compile estimated; start, ceilings and figures ~45 s)"),
+    "08": estimate(3.0, "the lesson's own plan: 3.0 min on an H100 or H200 at most (gpulab plan: the noise seeds and "
+                   "the seven races stopped at one 135 s budget, expected at ~92 s; the naive job at the 2026-11-28 "
+                   "H200's ~3,250 images/s of per-sample pipeline, the fast rates and the compile estimated; start, "
+                   "ceilings and figures ~45 s)"),
     "09": estimate(1.1, "the lesson's own plan: 1.1 min on an H100 or H200 (three ceilings ~27 s, the first run "
                    "of 60 steps of 8 x 1024 tokens in fp32 ~8 s, the attention sweep to T = 8192 ~5 s, start, FLOP "
                    "counts and figures ~25 s; estimates)"),
