@@ -297,8 +297,7 @@ def step_table(seconds: dict, comparisons: dict, fields: dict, batch: int, mfu=N
     """The training steps side by side: each precision's ms per step and samples/s at its median in the interleaved
     pairs its speed-up over fp32 comes from (``seconds``), the speed-up with its interval and verdict, ``fields``
     ({precision: {peak_mb, final_loss, accuracy}}); with ``mfu`` (a ``flops.StepMFU``), its MFU beside the dense peak
-    of its precision, of
-    achievable, and its share of the one reference peak."""
+    of its precision, of achievable, and its share of the one reference peak."""
     table = pd.DataFrame({"ms per step (pairs)": {p: s * 1e3 for p, s in seconds.items()},
                           "samples/s": {p: batch / s for p, s in seconds.items()}})
     speedups = pd.DataFrame({p: c.row() for p, c in comparisons.items()}, index=SPEEDUP_COLUMNS).T
