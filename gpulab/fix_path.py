@@ -231,7 +231,8 @@ class FixPath:
         return pd.DataFrame(rows).set_index("step")
 
     def speedup(self) -> float:
-        """The kept steps' speed-ups multiplied: the fixed loop against the start, each step raced side by side."""
+        """The kept steps' median speed-ups multiplied, each raced against the loop before it: the fixed loop against
+        the start as a product of medians, without an interval (the two were not raced against each other)."""
         return math.prod(r["vs_previous"] for r in self.path.rows if r.get("kept"))
 
     def verdict(self) -> str:
@@ -265,8 +266,9 @@ class FixPath:
                 print(f"{row['step']}: {row['note']} ({row['vs_previous']:.2f}×): {self.why[row['step']]}.")
             elif not row["kept"]:
                 print(f"{row['step']}: {row['note']}.")
-        print(f"\nThe kept fixes together: {self.speedup():.2f}× the {self.start} loop's speed (their speed-ups "
-              f"multiplied, each raced side by side). {self.verdict()}")
+        print(f"\nThe kept fixes' median speed-ups multiplied: {self.speedup():.2f}× the {self.start} loop's speed "
+              f"(each raced against the loop before it; a product, no interval: the {self.start} loop was not raced "
+              f"against the fixed one). {self.verdict()}")
         return table
 
     def figure(self):

@@ -173,6 +173,9 @@ def test_the_path_ends_saying_what_still_holds_the_loop_back(h200_path):
             "the GPU ran kernels, copies or memsets 5.6% of the profiled steps' time") in said
     assert "What holds it back is the CPU's work, most of it in 'backward' (1.73 ms of a 5.15 ms profiled step)" in said
     assert math.isclose(path.speedup(), 3.54 * 1.42 * 1.32 * 1.20 * 1.49, rel_tol=1e-9)
+    assert (f"The kept fixes' median speed-ups multiplied: {path.speedup():.2f}× the slow loop's speed (each raced "
+            "against the loop before it; a product, no interval: the slow loop was not raced against the fixed "
+            "one).") in said  # a product of medians, not a race of the two loops: said so
 
 
 def test_the_lessons_path_on_this_cpu_keeps_only_faster_fixes_with_its_own_traces(monkeypatch, results_dir, quiet,
@@ -358,8 +361,9 @@ def test_the_summary_reads_the_path(monkeypatch, results_dir, capsys):
              "overhead": {}, "gpulab": gpulab, "display": lambda *args: None}
     exec(compile(lesson_cell("print(path.verdict())"), "<lesson 06: summary>", "exec"), scope)
     said = capsys.readouterr().out
-    assert ("slow loop: 100.00 ms per step; kept: data on the device, torch.compile + CUDA graphs, together 3.00× its "
-            "speed (each raced side by side); dropped: no .item() per step (slower here)") in said
+    assert ("slow loop: 100.00 ms per step; kept: data on the device, torch.compile + CUDA graphs, their median "
+            "speed-ups multiplied 3.00× (each raced against the loop before it; a product, no interval: the slow loop "
+            "was not raced against the fixed one); dropped: no .item() per step (slower here)") in said
     assert "Not fixed yet: the trace of 'torch.compile + CUDA graphs' says the CPU is the bottleneck" in said
 
 
