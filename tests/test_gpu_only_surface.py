@@ -40,8 +40,11 @@ SURFACE = (
             "scale and the overflow flag as tensors and no .item() is read; update: torch._amp_update_scale_ in place; "
             "load_state_dict fills the scale in place: torch 2.6 and 2.14); torch's notes/cuda.rst, 'Usage with "
             "torch.cuda.amp', covers only optimizers whose step syncs",
-            "lesson 08 full mode in fp16 (a T4, none lent so far; or another card with plan.amp set to fp16): the "
-            "captured step races, its losses within the race's tolerance, and the loss scale falls after an overflow"),
+            "tests/test_lesson08_gpu_path.py::test_on_a_gpu_the_captured_fp16_step_replays_the_eager_losses_and_skips_"
+            "an_overflowed_update (gpu-marked, any GPU: lesson 08's fp16 step captured with fused SGD replays the eager "
+            "losses; at a scale every gradient overflows, a replay leaves the weights as they were and halves the "
+            "scale); then lesson 08 full mode in fp16 (a T4, none lent so far): the captured step races, its losses "
+            "within the race's tolerance"),
     GpuOnly("Lesson 08's check counting a captured step: the hooks' counting kernels recorded into the graph",
             ("is_current_stream_capturing",),
             "torch/cuda/graphs.py (graph): kernels launched during capture, the hooks' included, are replayed; backward "

@@ -141,3 +141,46 @@ def test_fused_sgd_under_a_gradscaler_that_skips_its_first_steps_trains_as_the_p
     assert not torch.equal(plain.net[0].weight, SpeedrunNet(TINY.widths).net[0].weight)  # and the later ones trained
     for (name, a), b in zip(plain.state_dict().items(), fused.state_dict().values()):
         assert torch.isfinite(b.float()).all() and torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-5), name
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_captured_fp16_step_replays_the_eager_losses_and_skips_an_overflowed_update(monkeypatch,
+                                                                                                   results_dir):
+    """The T4's branch on a real GPU (the course's H100 and H200 train in bf16, so no lesson run reaches it): lesson
+    08's whole step in fp16, with a GradScaler and fused SGD, captured in a CUDA graph. Replayed, it gives the losses
+    the same step gives eagerly from the same weights and batches. With a loss scale so large that every gradient
+    overflows, a replay skips the update on the device (fused SGD reads the scaler's overflow flag: torch/optim/sgd.py,
+    _fused_sgd) and the captured update halves the scale (torch/amp/grad_scaler.py, update)."""
+    monkeypatch.setenv("GPULAB_QUICK", "1")
+    plan = plans.plan_for("08", plans.Card.here(quick=True), quick=True)
+    plan = replace(plan, sizes={**plan.sizes, "job": TINY, "amp": "fp16"})
+    lesson = run({"device": torch.device("cuda"), "gpulab": gpulab, "plan": plan}, "08", "USE_CIFAR10 = False",
+                 "def train_naive", "BASE = dict(", "def job(", "def captured(")
+    scalers = []
+    scaler_class = torch.amp.GradScaler
+
+    def trained(cuda_graph: bool, steps: int, **scaler_options):
+        monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: scalers.append(scaler_class(
+            *a, **{**k, **scaler_options})) or scalers[-1])
+        torch.manual_seed(0)
+        model = SpeedrunNet(TINY.widths, seed=0).to(lesson["device"])
+        batches, step, set_lr = lesson["job"](model, lesson["data"], 0, **{**GRAPH_STEP, "cuda_graph": cuda_graph})
+        before = [p.detach().clone() for p in model.parameters()]
+        losses = []
+        for _, (x, y) in zip(range(steps), batches(0)):
+            set_lr(TINY.lr)
+            losses.append(step(x, y).item())
+        return losses, before, list(model.parameters())
+
+    try:
+        assert lesson["amp_dtype"] == torch.float16
+        eager, _, _ = trained(False, 6)
+        replayed, _, _ = trained(True, 6)
+        assert scalers[-1].is_enabled() and all(math.isfinite(loss) for loss in replayed)
+        assert replayed[0] == pytest.approx(eager[0], rel=1e-3)  # the same weights, momentum and scale as eager's
+        assert replayed == pytest.approx(eager, rel=2e-2)
+        _, before, after = trained(True, 1, init_scale=2.0**40)  # fp16 gradients overflow at this scale
+        assert all(torch.equal(a, b) for a, b in zip(before, after))  # the update was skipped on the device
+        assert scalers[-1].get_scale() == 2.0**39  # the captured update backed the scale off once
+    finally:
+        torch.set_float32_matmul_precision("highest")
