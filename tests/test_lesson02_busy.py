@@ -100,6 +100,16 @@ def test_the_busy_panel_draws_each_configurations_profiled_kernel_share_with_nvm
                                                                 "(data already on the device)"]
 
 
+def test_the_busy_panel_says_how_long_nvml_read_the_steps_from_the_value_used():
+    """busy.measure reads NVML over plan.nvml_seconds (0.2 s in quick mode), which the title said was "about a
+    second"; reference rows, whose period the lesson does not know, get no number."""
+    assert "over 0.2 s of its steps after them" in plot_loader()(busy_frame(), "a GPU", 0.2).axes[1].get_title()
+    assert "over its steps after them" in plot_loader()(busy_frame(), "a GPU").axes[1].get_title()
+    sweep = code("02", "busy.measure(lambda: train_on(next(batches))")
+    assert "nvml_seconds=plan.nvml_seconds" in sweep and "about a second" not in function_source("02", "plot_loader")
+    plt.close("all")
+
+
 class FakeGpu:
     """busy.measure and conditions.Watch as on a GPU: each Watch a span at its own SM clock (1000, 1001, ... MHz),
     each measure a profile of the step it is given, whose busy share is ``shares[label]``; which loader served the

@@ -123,7 +123,7 @@ def test_quick_mode_keeps_todays_sizes():
             compare_min_time=0.2, compare_pairs=5, copy_bytes=16 * MiB, sweep_min_time=0.05,
             prefetch_batch_bytes=4 * MiB, prefetch_batches=4, hazard_floats=2**20, hazard_side=1024, hazard_matmuls=5,
             model="squeezenet1_1", image_size=48, crop=32, batch_size=8, batches_per_epoch=3, step_repeats=3,
-            busy_steps=3, min_steady=3, workers=[0, 2])
+            busy_steps=3, min_steady=3, workers=[0, 2], nvml_seconds=0.2)
         assert math.isnan(plan.minutes)
 
 
@@ -160,8 +160,23 @@ def test_the_lesson_says_whether_the_naive_pipeline_starved_the_gpu(capsys):
 def test_on_two_cores_the_lesson_says_what_more_workers_can_buy(capsys):
     """A Colab T4: two vCPUs augment at most twice what one feeds, and the model trains faster than that."""
     out = said(capsys, 330.0, 1800.0, cores=2, sample_s=3e-3, device_speedup=2.0)
-    assert "2 cores augment at most 667 samples/s, 2× what one core feeds, and the model trains at 1800" in out
+    assert ("the 1 of its 2 cores left to workers (one trains) augment at most 333 samples/s, 1× what one core "
+            "feeds, and the model trains at 1800") in out
     assert "More workers cannot buy more cores" in out
+
+
+def test_the_cores_the_lesson_says_can_augment_are_those_left_after_the_training_process(capsys):
+    """3.6 cores of augmentation needed on 4: all 4 would augment 2,000 samples/s, more than the 1,800 the model
+    trains at, which the lesson printed as what the CPU cannot reach; the 3 left to workers augment 1,500."""
+    out = said(capsys, 500.0, 1800.0, cores=4, sample_s=2e-3, device_speedup=2.0)
+    assert "the 3 of its 4 cores left to workers (one trains) augment at most 1500 samples/s" in out
+    assert "2000 samples/s" not in out
+
+
+def test_the_plan_counts_the_cores_left_after_the_training_process():
+    pipe = plan02.Pipeline.of(plans.Card.named("Tesla T4", cpus=4), "resnet18", 128)
+    assert pipe.host_rate == pytest.approx(3 / pipe.image_s) and pipe.loader_rate(8) == min(pipe.host_rate, pipe.gpu_rate)
+    assert "3 of the host's 4 cores (one trains)" in plan02.feeding(pipe).detail
 
 
 def test_the_hazards_queue_is_a_derived_size_not_a_regime_that_cannot_fail():

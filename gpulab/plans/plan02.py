@@ -38,7 +38,7 @@ FEATURES = ("tf32", "gpm")
 QUICK = dict(compare_min_time=0.2, compare_pairs=5, copy_bytes=16 * MiB, sweep_min_time=0.05,
              prefetch_batch_bytes=4 * MiB, prefetch_batches=4, hazard_floats=2**20, hazard_side=1024, hazard_matmuls=5,
              model="squeezenet1_1", image_size=48, crop=32, batch_size=8, batches_per_epoch=3, step_repeats=3,
-             busy_steps=3, min_steady=3, workers=[0, 2])
+             busy_steps=3, min_steady=3, workers=[0, 2], nvml_seconds=0.2)
 
 # ---- copies -------------------------------------------------------------------------------------------------------
 COPY_S = 1e-3  # the largest copy lasts at least this long at the card's pinned rate: ~100 launches, so the sweep's
@@ -67,7 +67,7 @@ START_S = 10.0  # imports, device facts, NVML (estimate)
 WORKER_START_S = 0.05  # a DataLoader worker started (forked) for an epoch (estimate)
 PROFILED = 1.2  # a profiled step's time over an unprofiled one (estimate)
 PROFILE_S = 1.0  # busy.measure's profiler started, its trace exported and read (estimate)
-NVML_S = 1.0  # busy.measure's unprofiled second for NVML (full mode)
+NVML_S = 1.0  # busy.measure's unprofiled steps read by NVML, seconds (full mode)
 FIGURES_S = 8.0  # tables and figures (estimate)
 
 
@@ -81,7 +81,7 @@ def plan(card: Card, *, quick: bool = False) -> LessonPlan:
                   prefetch_batch_bytes=copy_bytes, prefetch_batches=PREFETCH_BATCHES, hazard_floats=HAZARD_FLOATS,
                   hazard_side=HAZARD_SIDE, hazard_matmuls=max(1, math.ceil(HOLD_S / hold)), batch_size=BATCH,
                   batches_per_epoch=BATCHES_PER_EPOCH, step_repeats=None, busy_steps=BUSY_STEPS, min_steady=MIN_STEADY,
-                  workers=sorted({0, 2, max(2, cores // 2), max(2, cores - 1)}))
+                  workers=sorted({0, 2, max(2, cores // 2), max(2, cores - 1)}), nvml_seconds=NVML_S)
     candidates = (_full(card, Pipeline.of(card, model, crop), common) for model, crop in WORKLOADS)
     last = None
     for last in candidates:
@@ -207,15 +207,20 @@ class Pipeline:
 
     @property
     def host_rate(self) -> float:
-        """Images a second the host could augment with every core at it: what more workers can buy at most."""
-        return self.card.cpu_cores / self.image_s
+        """Images a second the host could augment with every core but the training process's at it (at least one):
+        what more workers can buy at most."""
+        return self.worker_cores / self.image_s
+
+    @property
+    def worker_cores(self) -> int:
+        return max(1, self.card.cpu_cores - 1)
 
     def loader_rate(self, workers: int) -> float:
         """A loader's images a second: the naive pipeline without workers; else its workers, one core each, the training
         process keeping one for itself (at least one worker's), and never faster than the card trains."""
         if workers == 0:
             return self.naive_rate
-        return min(self.gpu_rate, max(1, min(workers, self.card.cpu_cores - 1)) / self.image_s)
+        return min(self.gpu_rate, min(workers, self.worker_cores) / self.image_s)
 
     @property
     def gpu_augment_s(self) -> float:
@@ -270,14 +275,16 @@ def starving(pipe: Pipeline) -> Regime:
 def feeding(pipe: Pipeline) -> Regime:
     """A fix the lesson runs feeds the card: the workers, where every core augmenting keeps up with it; else the
     pipeline on the GPU, whose augmentation costs the step little."""
-    cores, host, gpu = pipe.card.cpu_cores, pipe.host_rate, pipe.gpu_rate
+    host, gpu = pipe.host_rate, pipe.gpu_rate
+    cores = (f"{pipe.worker_cores} of the host's {pipe.card.cpu_cores} cores (one trains)" if pipe.card.cpu_cores > 1
+             else "the host's one core")
     if host >= gpu:
         return Regime("a fixed pipeline feeds the GPU", True,
-                      f"the loader's workers: {cores} cores augment up to {host:,.0f} images/s, the card trains "
+                      f"the loader's workers: {cores} augment up to {host:,.0f} images/s, the card trains "
                       f"{gpu:,.0f}")
     share = pipe.gpu_augment_s / pipe.step_s
     return Regime("a fixed pipeline feeds the GPU", bool(share <= 0.1),
-                  f"not the workers: {cores} cores augment at most {host:,.0f} images/s ({host / pipe.naive_rate:.1f}× "
+                  f"not the workers: {cores} augment at most {host:,.0f} images/s ({host / pipe.naive_rate:.1f}× "
                   f"the naive pipeline), the card trains {gpu:,.0f}, so more workers cannot feed it; the batches "
                   f"augmented on the GPU and the data set on the device do (augmenting a batch there takes "
                   f"{share:.1%} of its step)")
@@ -345,7 +352,7 @@ def pipeline_parts(pipe: Pipeline, sizes: dict) -> list[Part]:
         return BATCH / pipe.loader_rate(w)
 
     def busy(one_step, steps):
-        return (4 + steps) * one_step * PROFILED + PROFILE_S + max(NVML_S, one_step)
+        return (4 + steps) * one_step * PROFILED + PROFILE_S + max(sizes["nvml_seconds"], one_step)
 
     def epoch(w, persistent=False):
         return per_epoch * batch_s(w) + (0 if persistent else w * WORKER_START_S)
@@ -358,7 +365,7 @@ def pipeline_parts(pipe: Pipeline, sizes: dict) -> list[Part]:
     sweep = sum(steady(w, 2) + busy(batch_s(w), sizes["busy_steps"]) for w in workers)
     sweep += steady(tuned, 4, True) + busy(batch_s(tuned), sizes["busy_steps"]) + tuned * WORKER_START_S
     tuned_epoch, device_epoch = epoch(tuned, True), per_epoch * step
-    uint8_rate = min(pipe.gpu_rate, max(1, min(tuned, pipe.card.cpu_cores - 1)) / RAW_IMAGE_S)
+    uint8_rate = min(pipe.gpu_rate, min(tuned, pipe.worker_cores) / RAW_IMAGE_S)
     uint8_epoch = per_epoch * BATCH / uint8_rate
     fed = (2 * BATCH * per_epoch * RAW_IMAGE_S + 2 * (21 * step + busy(step, sizes["busy_steps"]))
            + compare_s(tuned_epoch, device_epoch, pairs=5) + compare_s(tuned_epoch, uint8_epoch, pairs=5))
