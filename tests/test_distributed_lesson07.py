@@ -4,6 +4,8 @@ what they would do there is checked on a CPU. What only a GPU can show is marked
 reason."""
 
 import textwrap
+from contextlib import ExitStack
+from unittest import mock
 
 import nbformat
 import pytest
@@ -41,15 +43,18 @@ def lesson_plan(gpus: int, *, full: bool = False, card: str = "NVIDIA H100 80GB 
 
 
 @pytest.fixture
-def machine(monkeypatch, results_dir):
-    """Run the setup cell as if torch saw ``gpus`` GPUs, with their plan; returns the cell's variables."""
-    def setup(gpus: int, *, full: bool = False, card: str = "NVIDIA H100 80GB HBM3") -> dict:
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        scope = {"__name__": "__main__", "plan": lesson_plan(gpus, full=full, card=card), "gpulab": gpulab,
-                 "device": torch.device("cpu")}  # the course's device: a GPU where the CUDA stand-in plays one
-        exec(cell(SETUP), scope)
-        return scope
-    return setup
+def machine(results_dir):
+    """Run the setup cell as if torch saw ``gpus`` GPUs, with their plan; returns the cell's variables. Its patch is
+    undone at this fixture's end: a test that also plays a card asks for ``cuda_stand_in`` first, so that the card is
+    put away after it (a monkeypatch would restore the card's answer after the card had gone)."""
+    with ExitStack() as patches:
+        def setup(gpus: int, *, full: bool = False, card: str = "NVIDIA H100 80GB HBM3") -> dict:
+            patches.enter_context(mock.patch.object(torch.cuda, "device_count", lambda: gpus))
+            scope = {"__name__": "__main__", "plan": lesson_plan(gpus, full=full, card=card), "gpulab": gpulab,
+                     "device": torch.device("cpu")}  # the course's device: a GPU where the CUDA stand-in plays one
+            exec(cell(SETUP), scope)
+            return scope
+        yield setup
 
 
 def launches(scope: dict, cell_id: str, stop_after: int = 99) -> list[dict]:
@@ -86,7 +91,7 @@ def argument(call: dict, name: str) -> str:
 
 # ----- sizes by backend: the plan's, for gloo ranks on the CPU and for GPUs --------------------------------------
 
-def test_on_one_gpu_in_full_mode_the_gloo_runs_get_cpu_sized_work(machine, cuda_stand_in):
+def test_on_one_gpu_in_full_mode_the_gloo_runs_get_cpu_sized_work(cuda_stand_in, machine):
     scope = machine(1, full=True, card="Tesla T4")  # Colab: one GPU, full mode, the multi-rank runs gloo on the CPU
     assert scope["backend_device"] == "cpu" and scope["ranks"] == [1, 2] and scope["size"] == plan07.GLOO_WORK
     assert scope["launch"]["env"] == {"OMP_NUM_THREADS": "1"} and scope["launch"]["time_limit"] == scope["plan"].time_limit
