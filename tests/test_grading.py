@@ -13,6 +13,8 @@ from gpulab.grader.grading import grade, lesson_of
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 

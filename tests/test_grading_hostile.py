@@ -19,6 +19,8 @@ from gpulab.grader.grading import GradingError, grade
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 LESSON = "00_setup_and_diagnostics.ipynb"
 TOKEN = f"gpulab-hostile-{secrets.token_hex(4)}"  # in the command line of every process a hostile notebook starts
 

@@ -3,9 +3,13 @@ cell that fails (a deprecation warning too, under GPULAB_STRICT_WARNINGS) zeroes
 solutions that CI makes. A module of its own: the longest grading test, so that a second pytest worker can take it
 beside the other grading tests."""
 
+import pytest
+
 from gpulab.grader.grading import grade
 
 from .test_grading import SOLUTIONS, installed  # noqa: F401 — the graded kernels import a copy of gpulab
+
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
 
 
 def test_solutions_get_full_marks():

@@ -14,6 +14,8 @@ from gpulab.questions.timed_check import Trial, pack_state
 
 from .conftest import shown_solution
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 
 def blank_function(*args, **kwargs):
     raise NotImplementedError

@@ -17,6 +17,8 @@ from gpulab.questions.lesson07 import expected_bytes
 
 from .conftest import ROOT, checker_values, notebook_function, shown_solution
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 
 def blank_function(*args, **kwargs):
     raise NotImplementedError

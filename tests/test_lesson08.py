@@ -19,6 +19,8 @@ from gpulab.questions.timed_check import Trial, pack_state
 from .conftest import ROOT, shown_solution
 from .test_lesson08_answers import ReplayedStep
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 
 def judged(answer):
     lesson08.q1.check(answer)

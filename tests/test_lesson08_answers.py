@@ -17,6 +17,8 @@ from gpulab.questions.timed_check import Duel
 
 from .conftest import shown_solution
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 fast_train = shown_solution(lesson08.q1, "fast_train", torch=torch, F=F, capstone=capstone, gpulab=gpulab)
 
 

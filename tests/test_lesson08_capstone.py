@@ -16,6 +16,8 @@ from gpulab.models import SpeedrunNet
 
 from .test_mfu_lessons_03_04 import code, run
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 FULL_WIDTHS = (64, 256, 512, 1024)
 SEEDS = (0, 1)
 

@@ -27,6 +27,8 @@ from gpulab.conditions import Conditions
 from .conftest import ROOT
 from .lesson_cells import Cells
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 LESSON = Cells("10_gpt_made_fast.ipynb")
 code, run, define = LESSON.code, LESSON.run, LESSON.define
 DATA = ROOT / "tests" / "data" / "lesson09"  # the 2026-11-28 H200 run of lesson 09 (the waterfall was its section 4)

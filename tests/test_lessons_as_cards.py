@@ -8,19 +8,29 @@ import pytest
 from .conftest import ROOT
 from .lessons_as_cards import planned_for, run_as
 
+pytestmark = pytest.mark.long  # minutes of work: started first (tests/conftest.py)
+
 LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 AS_L4 = ("04", "08", "10", "11")  # bf16 and FP8 where a T4 has neither: 04, 08, 10 train in bf16, 11 multiplies in fp8
 # 09's sm89 attention rules run as an L4 in tests/test_lesson09_plan.py (its backends cells, seconds), not whole here
 
 
-@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem[:2])
-def test_the_lesson_runs_whole_as_a_t4(lesson, results_dir):
-    run_as(lesson, "Tesla T4")
+CARDS_PLAYED = {"T4": "Tesla T4", "L4": "NVIDIA L4"}
 
 
-@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.stem[:2] in AS_L4], ids=lambda p: p.stem[:2])
-def test_the_lesson_runs_whole_as_an_l4(lesson, results_dir):
-    run_as(lesson, "NVIDIA L4")
+def _run_whole(lesson, card: str) -> type:
+    """A class of one test, the lesson run whole as ``card``: pytest-xdist's loadscope gives each class to a worker
+    of its own, so that the runs spread over the workers rather than queueing on the one that got this module."""
+    def test_runs_whole(self, results_dir):
+        run_as(lesson, card)
+    return type(f"TestLesson{lesson.stem[:2]}As{card.split()[-1]}", (), {"test_runs_whole": test_runs_whole})
+
+
+for _lesson in LESSONS:
+    for _short, _card in CARDS_PLAYED.items():
+        if _short == "T4" or _lesson.stem[:2] in AS_L4:
+            _class = _run_whole(_lesson, _card)
+            globals()[_class.__name__] = _class
 
 
 def test_a_lesson_that_did_not_plan_for_the_card_played_fails():
