@@ -26,7 +26,9 @@ While installed:
   recent cuDNN, flash on an L4), or refuses as torch refuses there (a T4 has no flash or cuDNN attention), then runs
   the CPU's own kernel (``StandIn.attention`` counts the card's choices);
   ``torch.backends.cuda.can_use_*_attention`` answer for the card; ``torch._scaled_mm`` raises below sm_89 as torch
-  does, and runs where the card has FP8 (on the CPU where this torch has a CPU kernel, else GpuOnly);
+  does, and runs where the card has FP8 (on the CPU where this torch has a CPU kernel, else GpuOnly); products and
+  convolutions in fp16 or bf16 sum in fp32 and round once, as tensor cores do (``TensorCoreArithmetic``: the CPU's
+  own fp16 kernels are a hundred times slower than its fp32 ones);
 - NVML answers for the same card through nvidia-ml-py's real wrappers (``tests/fake_libnvml.py``; ``StandIn.nvml`` is
   that card, whose readings a test sets);
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
@@ -372,6 +374,7 @@ def installed(card: str = "NVIDIA H200"):
         _forget_device_facts()
         address = f"{gpu.card.pci_domain_id:08X}:{gpu.card.pci_bus_id:02X}:{gpu.card.pci_device_id:02X}.0"
         gpu.nvml = stack.enter_context(fake_libnvml.installed(NVML_CARDS[card](pci_bus_id=address))).cards[0]
+        stack.enter_context(stand_in_architecture.TensorCoreArithmetic())  # beneath the tracker: it counts 16-bit results
         stack.enter_context(gpu.tracker)
         yield gpu
 

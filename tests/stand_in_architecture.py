@@ -1,6 +1,7 @@
 """What torch answers on the architecture the CUDA stand-in plays (tests/cuda_stand_in.py), where cards differ: whether
 bf16 is supported, which SDPA backend runs (or that none can; cuDNN first on an H100 or H200 where this torch and
-its cuDNN put it first), and whether FP8 matmuls (torch._scaled_mm) run.
+its cuDNN put it first), whether FP8 matmuls (torch._scaled_mm) run, and how 16-bit products are summed (in fp32, as
+tensor cores do: ``TensorCoreArithmetic``).
 
 Each rule is torch's, cited beside it: the Python ones from torch/cuda/__init__.py of the 2.6.0 and 2.14.1 wheels, the
 C++ ones from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp and aten/src/ATen/native/cuda/Blas.cpp as torch's
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 TORCH = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
 
@@ -331,3 +334,36 @@ def scaled_mm(real, card, gpu_only):
             raise gpu_only(f"torch._scaled_mm on the CPU (torch {torch.__version__} has no CPU kernel for it)") from None
 
     return _scaled_mm
+
+
+# ---------------------------------------------------------------- 16-bit arithmetic, as tensor cores do it
+
+aten = torch.ops.aten
+# The products and convolutions (forward and backward) that a card runs on its tensor cores in fp16 or bf16: what
+# linear layers, matmuls, attention's math and convolutions reach below autograd
+TENSOR_CORE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                   aten.convolution.default, aten.convolution_backward.default}
+WRITING_INTO = {aten.mm.out, aten.addmm.out, aten.bmm.out, aten.baddbmm.out}  # torch.mm(a, b, out=c) and kin
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+class TensorCoreArithmetic(TorchDispatchMode):
+    """fp16 and bf16 products and convolutions computed as a card's tensor cores compute them: the 16-bit inputs'
+    products summed in fp32, the result rounded once to the 16-bit type (cuBLAS's and cuDNN's default compute type for
+    16-bit data: CUBLAS_COMPUTE_32F). A CPU without fp16 arithmetic (no AVX512-FP16 or AMX-FP16) runs its own fp16
+    kernels about a hundred times slower than fp32 (a 1024² product on one core: 2.1 s against 0.028 s), which made a
+    lesson played as a T4 spend minutes in a matmul sweep a T4 runs in milliseconds. Entered beneath the stand-in's
+    MemoryTracker, which counts the 16-bit results the card would hold, never the fp32 working copies made here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+        if dtype not in SIXTEEN_BIT or func not in TENSOR_CORE_OPS | WRITING_INTO:
+            return func(*args, **kwargs)
+        if func in WRITING_INTO:
+            kept = {k: v for k, v in kwargs.items() if k != "out"}
+            return kwargs["out"].copy_(self.__torch_dispatch__(func.overloadpacket.default, types, args, kept))
+        widened = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t,
+                           (args, kwargs))
+        out = func(*widened[0], **widened[1])
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) else t, out)

@@ -15,12 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpulab.device
 from gpulab import datasheets, nvml
 
 from . import stand_in_architecture
 from .cuda_stand_in import CARDS, NVML_CARDS, GpuOnly, installed
+
+aten = torch.ops.aten
 
 
 def test_events_time_on_the_host_clock_and_refuse_as_torch_does(cuda_stand_in):
@@ -361,3 +364,42 @@ def test_fp8_matmuls_run_where_the_card_has_fp8_with_the_gpus_layout_checks(name
             return
     expected = a.float() @ b.float()
     assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), expected, rtol=1e-2, atol=math.inf)
+
+
+class _Seen(TorchDispatchMode):
+    """The operators that reach the CPU's kernels, with their first argument's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_products_and_convolutions_sum_in_fp32_and_round_once_as_tensor_cores_do(dtype):
+    a, b, c = (torch.randn(32, 32, dtype=dtype) for _ in range(3))
+    x, w = torch.randn(2, 3, 8, 8, dtype=dtype, requires_grad=True), torch.randn(4, 3, 3, 3, dtype=dtype)
+    with _Seen() as seen, stand_in_architecture.TensorCoreArithmetic():
+        product, added, into = a @ b, torch.addmm(c, a, b), torch.empty(32, 32, dtype=dtype)
+        torch.mm(a, b, out=into)
+        F.conv2d(x, w).sum().backward()
+        elementwise = a + b
+    wide = (a.float() @ b.float()).to(dtype)
+    assert torch.equal(product, wide) and torch.equal(into, wide) and product.dtype == into.dtype == dtype
+    assert torch.equal(added, torch.addmm(c.float(), a.float(), b.float()).to(dtype))
+    assert x.grad.dtype == dtype and elementwise.dtype == dtype
+    products = {aten.mm.default, aten.addmm.default, aten.convolution.default, aten.convolution_backward.default}
+    assert {d for f, d in seen.calls if f in products} == {torch.float32}  # the CPU's 16-bit kernels never ran
+    assert (aten.add.Tensor, dtype) in seen.calls  # everything else runs as it is
+
+
+def test_the_allocator_counts_a_16_bit_product_not_its_fp32_working_copies(cuda_stand_in):
+    a, b = torch.randn(256, 256, dtype=torch.float16), torch.randn(256, 256, dtype=torch.float16)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    product = a @ b
+    assert torch.cuda.memory_allocated() - before == product.nbytes == 256 * 256 * 2
+    assert torch.cuda.max_memory_allocated() == before + product.nbytes
