@@ -23,11 +23,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def torch_cuda_left_as_found():
+def torch_left_as_found():
     """Every test leaves torch.cuda's functions as it found them: a patch restored out of order (a monkeypatch made
-    inside a stand-in's ``with``) would leave the stand-in's answers to every later test in that process."""
-    before = dict(vars(torch.cuda))
+    inside a stand-in's ``with``) would leave the stand-in's answers to every later test in that process. The TF32
+    switch is put back: a lesson's cells run in the test's process may leave it on, as they do in a kernel (lessons 03
+    and 09 then read a later test's fp32 steps as TF32 ones)."""
+    before, precision = dict(vars(torch.cuda)), torch.get_float32_matmul_precision()
     yield
+    torch.set_float32_matmul_precision(precision)
     changed = sorted(name for name, value in vars(torch.cuda).items()
                      if callable(value) and name in before and before[name] is not value)
     assert not changed, f"torch.cuda left patched after the test: {changed}"

@@ -209,7 +209,7 @@ def test_the_summary_reports_each_compiled_step_against_its_own_eager_baseline(l
     lesson.update(on_gpu=True, path=path, slow=SimpleNamespace(median=0.29825 * lesson["steps"]),
                   launch_gains=launch_gains, eager_alone=None, activations={}, worst=None, overhead={})
     printed = run(cell('print(f"device: {device}'), lesson)
-    assert "slow loop: 298.25 ms per step; kept: no fix, together 1.00× its speed" in printed
+    assert "slow loop: 298.25 ms per step; kept: no fix, their median speed-ups multiplied 1.00× (each raced" in printed
     assert ("launch-bound step: torch.compile 0.80× eager's speed, slower; torch.compile + CUDA graphs 1.67× eager's "
             "speed, faster") in printed
     assert "the path's verdict" in printed
