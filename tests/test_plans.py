@@ -15,6 +15,7 @@ import pytest
 from gpulab import datasheets, plans
 from gpulab.commands.cli import main
 from gpulab.conditions import cpu_cores
+from gpulab.plans import lesson_plan
 from gpulab.plans.card import achievable
 from gpulab.results import reference
 
@@ -256,3 +257,11 @@ def test_the_markdown_table_has_a_row_per_card_and_a_column_per_lesson(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "| card | " + " | ".join(plans.LESSONS) + " | course |"
     assert [line.split(" | ")[0].lstrip("| ") for line in lines[2:]] == list(plans.CARDS)
+
+
+def test_a_printed_size_reads_as_a_learner_would_write_it():
+    shown = lesson_plan._shown
+    assert shown("rates", {"naive": 1772.27, "amp": 27659.3, "unused": None}) == "naive 1,772, amp 27,659"
+    assert shown("compile_s", 70.68) == "70.7 s" and shown("lr", 0.1) == "0.1" and shown("steps", 150) == "150"
+    assert shown("text_bytes", 3 * 2**20) == "3 MiB" and shown("n", 1_000_000) == "1,000,000"
+    assert shown("sizes", list(range(8))) == "0 … 7 (8 values)"

@@ -168,7 +168,7 @@ def _number(value, is_bytes: bool = False) -> str:
         return _bytes(value)
     if isinstance(value, int):
         return f"{value:,}" if value >= 100_000 else str(value)
-    return f"{value:g}"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"  # a rate of 1772.27 images/s reads 1,772
 
 
 def _bytes(n: float) -> str:
