@@ -22,12 +22,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def tf32_switch_put_back():
+    """The TF32 switch as each module found it: a lesson's cells run in a module's fixture may leave it on, as they
+    do in a kernel (lessons 03 and 09 then read a later module's fp32 steps as TF32 ones)."""
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
 @pytest.fixture(autouse=True)
 def torch_left_as_found():
     """Every test leaves torch.cuda's functions as it found them: a patch restored out of order (a monkeypatch made
-    inside a stand-in's ``with``) would leave the stand-in's answers to every later test in that process. The TF32
-    switch is put back: a lesson's cells run in the test's process may leave it on, as they do in a kernel (lessons 03
-    and 09 then read a later test's fp32 steps as TF32 ones)."""
+    inside a stand-in's ``with``) would leave the stand-in's answers to every later test in that process; the TF32
+    switch is put back, as ``tf32_switch_put_back`` does for a module."""
     before, precision = dict(vars(torch.cuda)), torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(precision)
