@@ -33,14 +33,13 @@ course: $(STAMP)  ## run every lesson headless into build/ (notebooks + HTML), w
 
 test: $(STAMP)  ## everything CI runs: unit tests, notebooks (nbval, quick mode), exercises, grading
 	@# one thread per process: two-thread kernels side by side on two cores stall each other, one-thread ones share
-	@# them evenly. Four pytest workers for two cores: with two, the cores sat idle a fifth of the time while workers
-	@# waited on kernels starting and stopping and on time limits; with three, 8 % of it. Each module (or class) goes
-	@# whole to one worker, in collection order, the tests marked long first, then the notebooks (tests/conftest.py):
-	@# xdist's default order puts modules with few tests last, and the one-test grading of the solutions ran alone at
-	@# the end. solutions/ are run by the grader's test (a fresh kernel each, no cell may fail), not a second time by
-	@# nbval
+	@# them evenly. Three pytest workers for two cores: with two, the cores sat idle a fifth of the time while workers
+	@# waited on kernels starting and stopping and on time limits. Each module (or class) goes whole to one worker, in
+	@# collection order, the tests marked long first (tests/conftest.py): xdist's default order puts modules with few
+	@# tests last, and the one-test grading of the solutions ran alone at the end. solutions/ are run by the grader's
+	@# test (a fresh kernel each, no cell may fail), not a second time by nbval
 	$(BIN)/ruff check gpulab tests grading_benchmarks
-	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 4 --dist loadscope --no-loadscope-reorder --nbval-lax -p no:cacheprovider --durations=15 --ignore=tests/browser tests notebooks
+	GPULAB_QUICK=1 GPULAB_STRICT_WARNINGS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder --nbval-lax -p no:cacheprovider --durations=15 --ignore=tests/browser tests notebooks
 
 test-browser: $(STAMP)  ## lesson 00 in JupyterLab in headless Chromium: Run All Cells, no errors, plots; screenshots in build/browser/
 	.ci/install-browser

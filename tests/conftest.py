@@ -10,11 +10,10 @@ collect_ignore_glob = ["data/*"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked long come first, then the notebooks nbval runs (10-80 s each), then the rest, each kind in its
-    order (pytest-xdist's loadscope hands out modules and classes in collection order: a long one handed out last
-    runs alone at the end, on one core of two). Tests marked gpu run where torch sees a GPU; elsewhere they are
-    skipped with the reason."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("long") else 1 if item.path.suffix == ".ipynb" else 2)
+    """Tests marked long come first, in their order (pytest-xdist's loadscope hands out modules and classes in
+    collection order: a long one handed out last runs alone at the end, on one core of two). Tests marked gpu run
+    where torch sees a GPU; elsewhere they are skipped with the reason."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the order within each kind stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
