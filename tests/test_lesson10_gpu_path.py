@@ -274,15 +274,20 @@ def test_the_gpu_busy_share_of_each_end_comes_from_its_own_steps(on_an_h100, wat
     assert list(rows.kernel_busy) == [0.99, 0.93] and rows.mfu_vs_reference.is_monotonic_increasing
 
 
+def wrong_ways(lesson, card: str, precision: str, flops_per_step: float, ceiling_tflops: float):
+    """The wrong-ways cell run for ``card``'s sheet and a final step of ``flops_per_step`` in 0.9 s: (the sheet, the
+    table's TFLOP/s by divisor)."""
+    sheet = datasheets.find(card)
+    ceiling = flops.Ceiling(precision, ceiling_tflops, datasheet_tflops=sheet.tflops[precision])
+    lesson.update(sheet=sheet, final_u=flops.mfu(flops_per_step, 0.9, {precision: ceiling}, precision=precision))
+    run(lesson, "divisors = ")
+    return sheet, lesson["displayed"][-1].set_index("divided by")["TFLOP/s"]
+
+
 def test_the_wrong_ways_demo_divides_by_this_cards_peak_and_names_another_cards_as_wrong(on_an_h100, lesson):
     """On the H200 the lesson fell back to the H100's figure; now the right row is the H200's own dense bf16 peak, and
     the wrong ones are another precision's, a sparse figure and another card's (the A100's: nanoGPT's 104 %)."""
-    sheet = datasheets.find("NVIDIA H200")
-    final_u = flops.mfu(3e14, 0.9, {"bf16": flops.Ceiling("bf16", 720.0, datasheet_tflops=sheet.tflops["bf16"])},
-                        precision="bf16")
-    lesson.update(sheet=sheet, final_u=final_u)
-    run(lesson, "divisors = ")
-    table = lesson["displayed"][-1].set_index("divided by")["TFLOP/s"]
+    sheet, table = wrong_ways(lesson, "NVIDIA H200", "bf16", 3e14, 720.0)
     assert table["right (MFU): this card's dense bf16 peak"] == datasheets.peak("NVIDIA H200", "bf16")
     assert table["another card's dense bf16 peak (A100 SXM 80GB)"] == 312.0
     assert table["a 'with sparsity' bf16 figure (twice the dense one)"] == 2 * sheet.tflops["bf16"]
@@ -292,12 +297,7 @@ def test_the_wrong_ways_demo_divides_by_this_cards_peak_and_names_another_cards_
 def test_a_t4_shows_no_sparse_figure_it_does_not_have(on_an_h100, lesson, capsys):
     """2:4 sparse tensor cores start with Ampere (sm_80): a T4 (sm_75) has no 'with sparsity' rate, and the lesson
     showed one (twice its fp16 peak) and says now that it has none."""
-    sheet = datasheets.find("Tesla T4")
-    final_u = flops.mfu(3e13, 0.9, {"fp16": flops.Ceiling("fp16", 40.0, datasheet_tflops=sheet.tflops["fp16"])},
-                        precision="fp16")
-    lesson.update(sheet=sheet, final_u=final_u)
-    run(lesson, "divisors = ")
-    table = lesson["displayed"][-1].set_index("divided by")["TFLOP/s"]
+    _, table = wrong_ways(lesson, "Tesla T4", "fp16", 3e13, 40.0)
     assert table["right (MFU): this card's dense fp16 peak"] == 65.0
     assert not any("sparsity" in row for row in table.index)
     assert "The T4 has no 2:4 sparse tensor cores (sm_80 and newer)" in capsys.readouterr().out
