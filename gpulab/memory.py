@@ -13,6 +13,7 @@ of timeline as ``MemoryTracker.timeline()``, so ``gpulab.plots.memory_timeline``
 browser or internet (pytorch.org/memory_viz needs both).
 """
 
+import functools
 import math
 import numbers
 import os
@@ -103,7 +104,10 @@ class MemoryTracker(TorchDispatchMode):
         return frame.rename_axis("event").reset_index()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        return self._counted(func, func(*args, **(kwargs or {})))
+
+    def _counted(self, func, out):
+        """``out``, what ``func`` returned, with its new storages counted (or refused past the budget)."""
         fresh = self._fresh_storages(func, out)
         asked = self.current + sum(storage.nbytes() for storage in fresh)
         if self.budget is not None and asked > self.budget:
@@ -124,15 +128,15 @@ class MemoryTracker(TorchDispatchMode):
         """The storages new to the tracker among what an operator returned: not views or in-place results, not empty,
         and not already counted (some operators, such as ``_unsafe_view``, return their input's storage without
         saying so in their schema)."""
-        returns = func._schema.returns
+        returns = _fresh_returns(func)
         results = (out,) if len(returns) == 1 else (out or ())  # one result (maybe a list), several, or none
         fresh = {}
-        for schema, result in zip(returns, results):
-            if schema.alias_info is None:  # a fresh allocation, not a view or an in-place result
-                for tensor in tree_leaves(result):
+        for is_fresh, result in zip(returns, results):
+            if is_fresh:
+                for tensor in (result,) if isinstance(result, torch.Tensor) else tree_leaves(result):
                     if isinstance(tensor, torch.Tensor):
                         storage = tensor.untyped_storage()
-                        if storage.nbytes() and id(storage) not in self._live:
+                        if id(storage) not in self._live and storage.nbytes():
                             fresh[id(storage)] = storage
         return list(fresh.values())
 
@@ -142,7 +146,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live.add(id(storage))
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-        self._log("alloc", func.overloadpacket.__name__, nbytes)
+        if self.record:
+            self._log("alloc", func.overloadpacket.__name__, nbytes)
         weakref.finalize(storage, self._free, id(storage), nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
@@ -153,6 +158,12 @@ class MemoryTracker(TorchDispatchMode):
     def _log(self, action: str, op: str, nbytes: int) -> None:
         if self.record:
             self._events.append((self._phase, action, op, nbytes, self.current))
+
+
+@functools.cache  # an operator's schema, read once: the tracker sees every operator of a step
+def _fresh_returns(func) -> tuple[bool, ...]:
+    """For each return of ``func``: True for a fresh allocation, False for a view or an in-place result."""
+    return tuple(r.alias_info is None for r in func._schema.returns)
 
 
 # ----- what the CUDA allocator holds beyond the tensors ------------------------------------------------

@@ -27,8 +27,8 @@ While installed:
   the CPU's own kernel (``StandIn.attention`` counts the card's choices);
   ``torch.backends.cuda.can_use_*_attention`` answer for the card; ``torch._scaled_mm`` raises below sm_89 as torch
   does, and runs where the card has FP8 (on the CPU where this torch has a CPU kernel, else GpuOnly); products and
-  convolutions in fp16 or bf16 sum in fp32 and round once, as tensor cores do (``TensorCoreArithmetic``: the CPU's
-  own fp16 kernels are a hundred times slower than its fp32 ones);
+  convolutions in fp16 or bf16 sum in fp32 and round once, as tensor cores do (the allocator's tracker
+  computes them so, ``TensorCoreTracker``: the CPU's own fp16 kernels are a hundred times slower than its fp32 ones);
 - NVML answers for the same card through nvidia-ml-py's real wrappers (``tests/fake_libnvml.py``; ``StandIn.nvml`` is
   that card, whose readings a test sets);
 - ``torch.cuda.CUDAGraph``, ``torch.cuda.graph`` and the memory history raise ``GpuOnly``: a CPU cannot capture or
@@ -183,7 +183,7 @@ class StandIn:
 
     card: Card
     nvml: object = None  # the card the fake libnvidia-ml plays (tests/fake_libnvml.py)
-    tracker: MemoryTracker = field(default_factory=MemoryTracker)
+    tracker: MemoryTracker = field(default_factory=stand_in_architecture.TensorCoreTracker)  # and its tensor cores
     reserved: int = 0
     reserved_peak: int = 0
     sync_debug_mode: int = 0
@@ -374,7 +374,6 @@ def installed(card: str = "NVIDIA H200"):
         _forget_device_facts()
         address = f"{gpu.card.pci_domain_id:08X}:{gpu.card.pci_bus_id:02X}:{gpu.card.pci_device_id:02X}.0"
         gpu.nvml = stack.enter_context(fake_libnvml.installed(NVML_CARDS[card](pci_bus_id=address))).cards[0]
-        stack.enter_context(stand_in_architecture.TensorCoreArithmetic())  # beneath the tracker: it counts 16-bit results
         stack.enter_context(gpu.tracker)
         yield gpu
 

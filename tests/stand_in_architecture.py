@@ -23,6 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from gpulab.memory import MemoryTracker
+
 TORCH = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
 
 
@@ -347,23 +349,34 @@ WRITING_INTO = {aten.mm.out, aten.addmm.out, aten.bmm.out, aten.baddbmm.out}  # 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
+def as_tensor_cores(func, args, kwargs):
+    """``func(*args, **kwargs)``, with fp16 and bf16 products and convolutions computed as a card's tensor cores compute
+    them: the 16-bit inputs' products summed in fp32, the result rounded once to the 16-bit type (cuBLAS's and cuDNN's
+    default compute type for 16-bit data: CUBLAS_COMPUTE_32F). A CPU without fp16 arithmetic (no AVX512-FP16 or
+    AMX-FP16) runs its own fp16 kernels about a hundred times slower than fp32 (a 1024² product on one core: 2.1 s
+    against 0.028 s), which made a lesson played as a T4 spend minutes in a matmul sweep a T4 runs in milliseconds."""
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+    if dtype not in SIXTEEN_BIT or func not in TENSOR_CORE_OPS and func not in WRITING_INTO:
+        return func(*args, **kwargs)
+    if func in WRITING_INTO:
+        kept = {k: v for k, v in kwargs.items() if k != "out"}
+        return kwargs["out"].copy_(as_tensor_cores(func.overloadpacket.default, args, kept))
+    widened = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t, (args, kwargs))
+    out = func(*widened[0], **widened[1])
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) else t, out)
+
+
 class TensorCoreArithmetic(TorchDispatchMode):
-    """fp16 and bf16 products and convolutions computed as a card's tensor cores compute them: the 16-bit inputs'
-    products summed in fp32, the result rounded once to the 16-bit type (cuBLAS's and cuDNN's default compute type for
-    16-bit data: CUBLAS_COMPUTE_32F). A CPU without fp16 arithmetic (no AVX512-FP16 or AMX-FP16) runs its own fp16
-    kernels about a hundred times slower than fp32 (a 1024² product on one core: 2.1 s against 0.028 s), which made a
-    lesson played as a T4 spend minutes in a matmul sweep a T4 runs in milliseconds. Entered beneath the stand-in's
-    MemoryTracker, which counts the 16-bit results the card would hold, never the fp32 working copies made here."""
+    """``as_tensor_cores`` for every operator of the block."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
-        if dtype not in SIXTEEN_BIT or func not in TENSOR_CORE_OPS | WRITING_INTO:
-            return func(*args, **kwargs)
-        if func in WRITING_INTO:
-            kept = {k: v for k, v in kwargs.items() if k != "out"}
-            return kwargs["out"].copy_(self.__torch_dispatch__(func.overloadpacket.default, types, args, kept))
-        widened = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t,
-                           (args, kwargs))
-        out = func(*widened[0], **widened[1])
-        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) else t, out)
+        return as_tensor_cores(func, args, kwargs or {})
+
+
+class TensorCoreTracker(MemoryTracker):
+    """The stand-in's allocator statistics and its tensor cores in one dispatch mode (a Python call per operator, not
+    two): ``as_tensor_cores`` computes, and the tracker counts the 16-bit results the card would hold, never the fp32
+    working copies made on the way."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._counted(func, as_tensor_cores(func, args, kwargs or {}))

@@ -17,3 +17,7 @@ def test_solutions_get_full_marks():
     failed = grades[~grades["passed"]]
     assert failed.empty, failed.to_string()
     assert set(grades["notebook"]) == {str(p) for p in SOLUTIONS}
+    # lesson 08's q1 (the shown solution: tests/test_lesson08.py) timed against the baseline, all of the model trained
+    capstone = grades.loc[grades["notebook"].str.endswith("08_capstone.ipynb"), "message"]
+    assert capstone.str.contains("steady-state speed-up").all(), capstone.tolist()
+    assert capstone.str.contains("all of it trained, on every image").all(), capstone.tolist()
