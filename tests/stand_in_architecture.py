@@ -1,7 +1,7 @@
 """What torch answers on the architecture the CUDA stand-in plays (tests/cuda_stand_in.py), where cards differ: whether
 bf16 is supported, which SDPA backend runs (or that none can; cuDNN first on an H100 or H200 where this torch and
 its cuDNN put it first), whether FP8 matmuls (torch._scaled_mm) run, and how 16-bit products are summed (in fp32, as
-tensor cores do: ``TensorCoreArithmetic``).
+tensor cores do: ``TensorCoreTracker``).
 
 Each rule is torch's, cited beside it: the Python ones from torch/cuda/__init__.py of the 2.6.0 and 2.14.1 wheels, the
 C++ ones from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp and aten/src/ATen/native/cuda/Blas.cpp as torch's
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from gpulab.memory import MemoryTracker
@@ -364,13 +363,6 @@ def as_tensor_cores(func, args, kwargs):
     widened = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t, (args, kwargs))
     out = func(*widened[0], **widened[1])
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) else t, out)
-
-
-class TensorCoreArithmetic(TorchDispatchMode):
-    """``as_tensor_cores`` for every operator of the block."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return as_tensor_cores(func, args, kwargs or {})
 
 
 class TensorCoreTracker(MemoryTracker):

@@ -382,7 +382,7 @@ class _Seen(TorchDispatchMode):
 def test_16_bit_products_and_convolutions_sum_in_fp32_and_round_once_as_tensor_cores_do(dtype):
     a, b, c = (torch.randn(32, 32, dtype=dtype) for _ in range(3))
     x, w = torch.randn(2, 3, 8, 8, dtype=dtype, requires_grad=True), torch.randn(4, 3, 3, 3, dtype=dtype)
-    with _Seen() as seen, stand_in_architecture.TensorCoreArithmetic():
+    with _Seen() as seen, stand_in_architecture.TensorCoreTracker():
         product, added, into = a @ b, torch.addmm(c, a, b), torch.empty(32, 32, dtype=dtype)
         torch.mm(a, b, out=into)
         F.conv2d(x, w).sum().backward()
