@@ -146,8 +146,7 @@ class MemoryTracker(TorchDispatchMode):
         self._live.add(id(storage))
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-        if self.record:
-            self._log("alloc", func.overloadpacket.__name__, nbytes)
+        self._log("alloc", func.overloadpacket.__name__, nbytes)
         weakref.finalize(storage, self._free, id(storage), nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
